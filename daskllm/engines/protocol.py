@@ -1,0 +1,171 @@
+"""The Engine protocol: one small typed interface every backend implements.
+
+The embedded torch engine and the vLLM engine both implement it, and the same tests run
+on both. Requests are text or token ids plus :class:`SamplingParams`; outputs are
+:class:`Completion` objects that say how many prompt tokens came from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+Prompt = str | Sequence[int]
+TokenCallback = Callable[[str], None]
+
+
+class RequestError(ValueError):
+    """A request was rejected; only that request fails, the engine keeps serving."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to decode. ``temperature=0`` is greedy; a seed makes sampling reproducible."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def deterministic(self) -> bool:
+        """Same input, same output: greedy, or sampled with a fixed seed."""
+        return self.greedy or self.seed is not None
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(slots=True)
+class Completion:
+    """The result of one generation request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (stop string), "eos", "length"
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillHandle:
+    """What a prefill-only request returns: small, picklable, never KV tensors.
+
+    ``block_hashes`` is the chain of hashes of the full blocks now resident in the
+    engine's cache; a later request whose prompt starts with those tokens reuses them.
+    """
+
+    model: str
+    num_tokens: int
+    num_cached_tokens: int  # tokens that were already cached before this prefill
+    block_size: int
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started, and gauges of its current state."""
+
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    prefill_tokens_computed: int = 0
+    prefill_tokens_cached: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    batched_sequences: int = 0  # sum of sequences over steps: mean batch = this / steps
+    max_batch_size: int = 0
+    preemptions: int = 0
+    evicted_blocks: int = 0
+    busy_seconds: float = 0.0
+    # gauges
+    running: int = 0
+    waiting: int = 0
+    cache_blocks_used: int = 0
+    cache_blocks_total: int = 0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batched_sequences / self.steps if self.steps else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of prompt tokens served from the cache."""
+        total = self.prefill_tokens_computed + self.prefill_tokens_cached
+        return self.prefill_tokens_cached / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["mean_batch_size"] = self.mean_batch_size
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class CacheState:
+    """Which prefix blocks are resident: what the placement plugin mirrors."""
+
+    model: str
+    block_size: int
+    num_blocks: int
+    blocks_in_use: int
+    resident_hashes: frozenset[int] = field(default_factory=frozenset)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One model, resident in one process, batching requests from many threads."""
+
+    name: str
+    block_size: int
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               on_text: TokenCallback | None = None) -> Future[Completion]:
+        """Queue a generation; ``on_text`` receives text deltas as they are decoded."""
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Completion]:
+        """Generate for many prompts at once (they are batched together)."""
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one generation as they are decoded."""
+
+    def prefill(self, prompt: Prompt) -> PrefillHandle:
+        """Warm the prefix cache with ``prompt`` and return a small handle."""
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def cache_state(self) -> CacheState: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,148 @@
+"""Continuous batching: which sequences run in the next engine step, and how many tokens.
+
+Every step has a token budget. Running sequences go first (a decode needs one token, a
+prompt still being prefilled takes a chunk), then waiting sequences are admitted in
+arrival order, each starting from the longest prefix already in the KV cache. When the
+cache runs out of blocks, the newest running sequence is preempted: its blocks are
+released (its prefix usually stays cached) and it is recomputed later, which changes
+nothing in its output.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from daskllm.engines.detok import TextStream
+from daskllm.engines.kv_cache import ROOT_HASH, BlockManager
+from daskllm.engines.protocol import SamplingParams, TokenCallback
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    future: Future
+    prefill_only: bool = False
+    on_text: TokenCallback | None = None
+    text: TextStream | None = None
+    generator: torch.Generator | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain of the registered full blocks
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int | None = None  # prompt tokens the cache served at first admission
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def cacheable_limit(self) -> int:
+        # A generation must compute at least its last token to get logits; a prefill need not.
+        return len(self.token_ids) if self.prefill_only else len(self.token_ids) - 1
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self.cached_tokens = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick the next step: (sequence, new tokens to compute) pairs."""
+        budget = self.max_num_batched_tokens
+        step: list[tuple[Sequence, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                if not self._preempt_newest(keep=seq):
+                    break
+                continue
+            step.append((seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._attach_cached_prefix(seq)
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                self._detach(seq)  # holding blocks while waiting could starve the running ones
+                if not self.running:  # cannot fit even alone: submit() rules this out
+                    raise RuntimeError(f"request {seq.request_id} does not fit in the KV cache")
+                break
+            if seq.num_cached is None:
+                seq.num_cached = min(seq.num_computed, seq.num_prompt_tokens)
+                self.cached_tokens += seq.num_cached
+            self.waiting.popleft()
+            self.running.append(seq)
+            if n:
+                step.append((seq, n))
+                budget -= n
+            else:  # a prefill-only request that was entirely cached
+                step.append((seq, 0))
+        return step
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Name every block that became full in this step, so later requests can reuse it."""
+        bs = self.blocks.block_size
+        full = seq.num_computed // bs
+        for idx in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            h = self.blocks.register(seq.block_table[idx], parent, seq.token_ids[idx * bs:(idx + 1) * bs])
+            seq.block_hashes.append(h)
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        cached = self.blocks.match_prefix(seq.token_ids, seq.cacheable_limit)
+        seq.block_table = cached
+        seq.block_hashes = [self.blocks.blocks[b].hash for b in cached]
+        seq.num_computed = len(cached) * self.blocks.block_size
+
+    def _detach(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.blocks.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        new = self.blocks.allocate(need)
+        if new is None:
+            return False
+        seq.block_table.extend(new)
+        return True
+
+    def _preempt_newest(self, keep: Sequence) -> bool:
+        victim = self.running[-1]
+        if victim is keep and len(self.running) == 1:
+            return False
+        self.running.pop()
+        self._detach(victim)
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        return victim is not keep

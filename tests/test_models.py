@@ -1,0 +1,272 @@
+"""Model recipes: reproducible builds, caching, resolution and the shared tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pathlib
+import shutil
+import threading
+import time
+
+import dask.config
+import pytest
+
+from daskllm import models
+from daskllm.models import RECIPES, ModelNotFoundError, ModelRecipe, model_name, resolve
+
+
+def _file_digests(directory: pathlib.Path) -> dict[str, str]:
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+    }
+
+
+def _resolve_in(cache: pathlib.Path, model: str = "tiny") -> pathlib.Path:
+    with dask.config.set({"daskllm.models.cache-dir": str(cache)}):
+        return resolve(model)
+
+
+@pytest.fixture(scope="module")
+def two_fresh_builds(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    """`tiny` built from scratch in two unrelated cache dirs."""
+    return (
+        _resolve_in(tmp_path_factory.mktemp("cache-a")),
+        _resolve_in(tmp_path_factory.mktemp("cache-b")),
+    )
+
+
+def test_builds_are_byte_identical(two_fresh_builds):
+    first, second = two_fresh_builds
+    assert first != second
+    assert first.name == second.name
+    digests = _file_digests(first)
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(
+        digests
+    )
+    assert digests == _file_digests(second)
+
+
+def test_built_model_loads_and_runs(two_fresh_builds):
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model_dir = two_fresh_builds[0]
+    model, info = LlamaForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 2_000_000 < n_params < 15_000_000
+    assert n_params == RECIPES["tiny"].approx_params()
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tokenizer) == RECIPES["tiny"].vocab_size
+    assert model.config.bos_token_id == tokenizer.bos_token_id == 0
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+
+    input_ids = torch.tensor([tokenizer.encode("def main():")])
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert logits.shape == (1, input_ids.shape[1], RECIPES["tiny"].vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+ROUND_TRIP_TEXTS = [
+    "Hello, world!",
+    "  leading spaces, trailing spaces  ",
+    "a , b . c 's n't ?",
+    "héllo wörld — naïve café; 世界 🎉🚀; Ελληνικά; עברית",
+    "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n\r\n    return fib(n - 1) + fib(n - 2)\n",
+    "null\x00byte and \u200b zero-width",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_tokenizer_round_trips_and_adds_bos(tiny_model_dir, text):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.bos_token_id
+    assert tokenizer.bos_token_id not in ids[1:]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_tokenizer_special_tokens_and_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    assert tokenizer.convert_tokens_to_ids(special) == [0, 1, 2, 3, 4]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # Each chat marker is one token, not spelled out in bytes.
+    assert tokenizer.encode(prompt).count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+def test_resolve_again_reuses_the_cache(two_fresh_builds):
+    model_dir = two_fresh_builds[0]
+    weights = model_dir / "model.safetensors"
+    mtime_before = weights.stat().st_mtime_ns
+    start = time.perf_counter()
+    again = _resolve_in(model_dir.parent)
+    elapsed = time.perf_counter() - start
+    assert again == model_dir
+    assert weights.stat().st_mtime_ns == mtime_before
+    assert elapsed < 0.5
+
+
+def test_concurrent_resolve_builds_once(two_fresh_builds, tmp_path, monkeypatch):
+    # Pre-seed the tokenizer so the test spends its time on the race, not on training.
+    (tokenizer_dir,) = [p for p in two_fresh_builds[0].parent.glob("tokenizer-*") if p.is_dir()]
+    shutil.copytree(tokenizer_dir, tmp_path / tokenizer_dir.name)
+
+    builds = []
+    real_build = models.build
+
+    def counting_build(name, dest):
+        builds.append(name)
+        return real_build(name, dest)
+
+    monkeypatch.setattr(models, "build", counting_build)
+    start_together = threading.Barrier(2)
+    results: list[pathlib.Path | BaseException] = [None, None]
+
+    def resolve_tiny(slot: int) -> None:
+        start_together.wait()
+        try:
+            results[slot] = resolve("tiny")
+        except BaseException as error:  # surfaced by the assertions below
+            results[slot] = error
+
+    with dask.config.set({"daskllm.models.cache-dir": str(tmp_path)}):
+        threads = [threading.Thread(target=resolve_tiny, args=(slot,)) for slot in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    assert results[0] == results[1] == tmp_path / two_fresh_builds[0].name
+    assert builds == ["tiny"]
+    assert not list(tmp_path.glob(".*tmp-*")), "staging directories must be cleaned up"
+
+
+def test_unknown_model_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError) as excinfo:
+        resolve("no-such-model")
+    message = str(excinfo.value)
+    assert "no-such-model" in message
+    assert "tiny" in message and "small" in message
+    assert "config.json" in message
+    assert isinstance(excinfo.value, ValueError)
+
+
+def test_directory_without_config_json(tmp_path):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json") as excinfo:
+        resolve(empty)
+    assert str(empty) in str(excinfo.value)
+
+
+def test_directory_with_unreadable_config_json(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelNotFoundError, match="config.json") as excinfo:
+        resolve(str(broken))
+    assert str(broken) in str(excinfo.value)
+
+
+def test_local_model_directory_resolves_to_itself(tiny_model_dir, tmp_path):
+    local = tmp_path / "my-model"
+    shutil.copytree(tiny_model_dir, local)
+    assert resolve(local) == local.resolve()
+    assert resolve(str(local)) == local.resolve()
+    assert model_name(local) == "my-model"
+
+
+def test_model_name():
+    assert model_name("tiny") == "tiny"
+    assert model_name(pathlib.Path("/cache") / f"tiny-{'0' * 12}") == "tiny"
+    assert model_name("/models/Llama-3-8B") == "Llama-3-8B"
+
+
+def test_small_recipe_is_about_100m_params():
+    import torch
+
+    shapes = models._parameter_shapes(RECIPES["small"].to_config())
+    n_params = sum(math.prod(shape) for shape in shapes.values())
+    assert 80_000_000 < n_params < 130_000_000
+    assert n_params == RECIPES["small"].approx_params()
+    assert "lm_head.weight" in shapes  # untied
+    assert torch.Size(shapes["lm_head.weight"]) == (16384, 768)
+
+
+def test_tied_recipe_omits_lm_head():
+    shapes = models._parameter_shapes(RECIPES["tiny"].to_config())
+    assert "lm_head.weight" not in shapes
+    assert "model.embed_tokens.weight" in shapes
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hidden_size", 0),
+        ("num_hidden_layers", -1),
+        ("num_attention_heads", 7),  # does not divide hidden_size 256
+        ("num_key_value_heads", 3),  # does not divide num_attention_heads 8
+        ("vocab_size", 100),  # smaller than the shared tokenizer
+    ],
+)
+def test_recipe_validation_names_the_field(field, value):
+    fields = {
+        "name": "bad",
+        "vocab_size": 16384,
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        field: value,
+    }
+    with pytest.raises(ValueError, match=field):
+        ModelRecipe(**fields)
+
+
+def test_recipe_digest_changes_with_fields():
+    import dataclasses
+
+    tiny = RECIPES["tiny"]
+    assert tiny.digest() == dataclasses.replace(tiny).digest()
+    assert tiny.digest() != dataclasses.replace(tiny, seed=1).digest()
+
+
+def test_cache_dir_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("DASKLLM_CACHE_DIR", str(tmp_path / "from-env"))
+    with dask.config.set({"daskllm.models.cache-dir": str(tmp_path / "from-config")}):
+        assert models.cache_dir() == tmp_path / "from-config"
+    with dask.config.set({"daskllm.models.cache-dir": None}):
+        assert models.cache_dir() == tmp_path / "from-env"
+        monkeypatch.delenv("DASKLLM_CACHE_DIR")
+        assert models.cache_dir() == pathlib.Path.home() / ".cache" / "daskllm" / "models"
+
+
+def test_list_recipes(two_fresh_builds):
+    with dask.config.set({"daskllm.models.cache-dir": str(two_fresh_builds[0].parent)}):
+        listing = {name: (params, cached) for name, params, cached in models.list_recipes()}
+    assert listing["tiny"] == (RECIPES["tiny"].approx_params(), True)
+    assert listing["small"][1] is False
