@@ -1,0 +1,73 @@
+"""Engines: the Engine protocol and the backends that implement it.
+
+An :class:`EngineSpec` says which model a worker should keep resident and on which
+backend; ``spec.load()`` builds the engine. Backends import lazily: vLLM only when a
+vLLM engine is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from daskllm.engines.protocol import (
+    CacheState,
+    Completion,
+    Engine,
+    EngineStats,
+    PrefillHandle,
+    RequestError,
+    SamplingParams,
+)
+
+BACKENDS = ("torch", "vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """A model to keep resident: a recipe name or a local Hugging Face directory."""
+
+    model: str
+    name: str | None = None  # what tasks call it; default: the recipe name or directory name
+    backend: str = "torch"
+    options: Mapping[str, Any] = field(default_factory=dict)  # passed to the engine constructor
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"EngineSpec.model must be a recipe name or a directory path, got {self.model!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineSpec.backend for model {self.model!r} must be one of {BACKENDS}, "
+                             f"got {self.backend!r}")
+        object.__setattr__(self, "options", dict(self.options))
+
+    @classmethod
+    def parse(cls, value: str | Mapping | EngineSpec) -> EngineSpec:
+        if isinstance(value, EngineSpec):
+            return value
+        if isinstance(value, str):
+            return cls(model=value)
+        if isinstance(value, Mapping):
+            return cls(**value)
+        raise TypeError(f"a model is a name, a directory, a dict or an EngineSpec; got {value!r}")
+
+    @property
+    def engine_name(self) -> str:
+        from daskllm.models import model_name
+
+        return self.name or model_name(self.model)
+
+    def load(self, **defaults) -> Engine:
+        """Build the engine; ``defaults`` are options the spec does not set itself."""
+        options = {**defaults, **self.options}
+        if self.backend == "vllm":
+            from daskllm.engines.vllm import VLLMEngine
+
+            return VLLMEngine(self.model, name=self.engine_name, **options)
+        from daskllm.engines.torch_engine import TorchEngine
+
+        return TorchEngine(self.model, name=self.engine_name, **options)
+
+
+__all__ = ["BACKENDS", "CacheState", "Completion", "Engine", "EngineSpec", "EngineStats", "PrefillHandle",
+           "RequestError", "SamplingParams"]

@@ -1,0 +1,61 @@
+"""The ``daskllm`` command."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="daskllm")
+def main():
+    """daskllm: LLM prefill, decode, embed, search and rerank as Dask tasks."""
+
+
+@main.command()
+@click.option("--model", default="small", show_default=True, help="Recipe name or local HF model directory.")
+@click.option("--workers", "n_workers", default=1, show_default=True, help="Worker processes (one per GPU on GPUs).")
+@click.option("--requests", "n_requests", default=32, show_default=True, help="Questions to answer.")
+@click.option("--max-tokens", default=32, show_default=True, help="Tokens generated per question.")
+@click.option("--dashboard-address", default=":8787", show_default=True)
+@click.option("--keep-alive", default=0.0, help="Seconds to keep the cluster (and dashboard) up afterwards.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the summary as JSON.")
+def demo(model, n_workers, n_requests, max_tokens, dashboard_address, keep_alive, json_path):
+    """Run the demo job on a local cluster with the embedded engine."""
+    from daskllm import demo as demo_job
+
+    summary = demo_job.run(model=model, n_workers=n_workers, n_requests=n_requests, max_tokens=max_tokens,
+                           dashboard_address=dashboard_address, keep_alive=keep_alive, echo=click.echo)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+
+
+@main.group()
+def models():
+    """Model recipes (random weights, built offline) and the model cache."""
+
+
+@models.command("list")
+def models_list():
+    """List recipes, their size, and whether they are built."""
+    from daskllm.models import cache_dir, list_recipes
+
+    click.echo(f"cache: {cache_dir()}")
+    for name, params, cached in list_recipes():
+        click.echo(f"  {name:<10} {params / 1e6:8.1f}M params  {'built' if cached else 'not built'}")
+
+
+@models.command("build")
+@click.argument("names", nargs=-1, required=True)
+def models_build(names):
+    """Build (or find cached) recipe models and print their directories."""
+    from daskllm.models import resolve
+
+    for name in names:
+        click.echo(f"{name}: {resolve(name)}")
+
+
+if __name__ == "__main__":
+    main()

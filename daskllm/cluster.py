@@ -1,0 +1,89 @@
+"""LocalLLMCluster: a LocalCluster whose workers keep LLM engines resident.
+
+With GPUs (found through NVML) there is one worker per GPU, each seeing only its own
+device through ``CUDA_VISIBLE_DEVICES``, as dask-cuda does. Without GPUs (or without NVML)
+the workers are CPU processes sharing the machine's cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+from distributed import LocalCluster
+
+from daskllm.engines import EngineSpec
+from daskllm.worker import EngineHost, default_num_threads
+
+logger = logging.getLogger(__name__)
+
+
+def discover_gpus() -> list[str]:
+    """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else every device NVML sees."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver, no NVML library, no GPU: CPU workers
+        return []
+
+
+class LocalLLMCluster(LocalCluster):
+    """A local Dask cluster with resident engines for ``models`` on every worker.
+
+    ``models`` are recipe names (``"tiny"``, ``"small"``), local Hugging Face model
+    directories, dicts or :class:`~daskllm.engines.EngineSpec` objects. Every model is
+    resolved (and built, for a recipe, once) before any worker starts, so a bad name fails
+    here with a clear error rather than in every worker.
+    """
+
+    def __init__(self, models: Iterable[str | Mapping | EngineSpec] = ("tiny",), *, n_workers: int | None = None,
+                 threads_per_worker: int = 4, gpus: Iterable[str] | str | None = "auto",
+                 engine_options: Mapping | None = None, **kwargs):
+        from daskllm.models import resolve
+
+        self.engine_specs = [EngineSpec.parse(m) for m in models]
+        for spec in self.engine_specs:
+            resolve(spec.model)
+        self.gpus = discover_gpus() if gpus == "auto" else list(gpus or [])
+        if self.gpus:
+            n_workers = len(self.gpus) if n_workers is None else n_workers
+            if n_workers > len(self.gpus):
+                raise ValueError(f"n_workers={n_workers} but only GPUs {self.gpus} are visible: one worker per GPU")
+        n_workers = 1 if n_workers is None else n_workers
+        defaults = dict(engine_options or {})
+        if not self.gpus:
+            defaults.setdefault("num_threads", default_num_threads(n_workers))
+        kwargs.setdefault("processes", True)
+        # Engine threads compute; Dask threads mostly wait on the engine, so a few per worker
+        # let concurrent tasks feed one batch.
+        # Start with no workers, then scale: LocalCluster's own start-up bypasses
+        # new_worker_spec, which is where each GPU worker gets its device.
+        super().__init__(n_workers=0, threads_per_worker=threads_per_worker,
+                         plugins={EngineHost(self.engine_specs, **defaults)}, **kwargs)
+        self.scale(n_workers)
+        if not self.asynchronous:
+            self.sync(self._correct_state)
+
+    def new_worker_spec(self):
+        if not self.gpus:
+            return super().new_worker_spec()
+        free = [g for g in self.gpus if g not in self.worker_spec]
+        if not free:
+            raise ValueError(f"cannot start more workers than visible GPUs {self.gpus}")
+        spec = copy.deepcopy(self.new_spec)
+        spec["options"]["env"] = {**spec["options"].get("env", {}), "CUDA_VISIBLE_DEVICES": free[0]}
+        return {free[0]: spec}
+
+    @property
+    def models(self) -> list[str]:
+        return [s.engine_name for s in self.engine_specs]

@@ -1,0 +1,64 @@
+"""Worker preload for CLI deployments: keep engines resident in a ``dask worker``.
+
+    dask worker tcp://scheduler:8786 --preload daskllm.preload --daskllm-model tiny
+
+(or ``--preload plugins/worker.py`` from a checkout). Options, each repeatable where it
+makes sense:
+
+``--daskllm-model NAME_OR_DIR``   a recipe name or a local Hugging Face model directory
+``--daskllm-backend torch|vllm``  the engine backend for those models (default torch)
+``--daskllm-option KEY=VALUE``    an engine option, e.g. ``kv_cache_tokens=8192``
+``--daskllm-threads N``           torch threads for the engine (default: all cores)
+
+A model that cannot be loaded stops the worker at start-up with an error naming it: a
+worker never joins the cluster half-configured.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import click
+
+from daskllm.engines import EngineSpec
+from daskllm.worker import PLUGIN_NAME, EngineHost
+
+
+def _parse_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key.replace("-", "_"), value
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--daskllm-model", "models", multiple=True, required=True,
+              help="Model to keep resident: recipe name or local HF directory (repeatable).")
+@click.option("--daskllm-backend", "backend", default="torch", show_default=True,
+              type=click.Choice(["torch", "vllm"]))
+@click.option("--daskllm-option", "options", multiple=True, help="Engine option KEY=VALUE (repeatable).")
+@click.option("--daskllm-threads", "threads", type=int, default=None, help="torch threads for the engine.")
+async def dask_setup(worker, models, backend, options, threads):
+    engine_options = dict(_parse_option(o) for o in options)
+    specs = [EngineSpec(model=m, backend=backend, options=engine_options) for m in models]
+    defaults = {"num_threads": threads} if threads else {}
+    host = EngineHost(specs, **defaults)
+    if hasattr(worker, "_pending_plugins"):
+        # Dask logs and ignores a preload's exception, so a failed load here would leave a
+        # worker without engines in the cluster. Plugins given to the worker at start-up
+        # are set up after preloads, and their failure aborts the start: join those.
+        worker._pending_plugins = (*worker._pending_plugins, host)
+    else:
+        try:
+            await worker.plugin_add(host, name=PLUGIN_NAME, catch_errors=False)
+        except Exception:
+            worker.loop.add_callback(worker.close, reason="daskllm engines failed to load", nanny=True)
+            raise
+
+
+async def dask_teardown(worker):
+    if PLUGIN_NAME in worker.plugins:
+        await worker.plugin_remove(PLUGIN_NAME)

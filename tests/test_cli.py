@@ -1,0 +1,95 @@
+"""The command line: `daskllm`, and real `dask scheduler` / `dask worker` processes with our preload."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+from distributed import Client
+
+from daskllm.engines import EngineSpec, SamplingParams
+from daskllm.worker import engine_stats, generate, resident_models
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BIN = pathlib.Path(sys.executable).parent
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+PROMPTS = ["The scheduler file says where to connect.", "def preload(worker):\n    return", "Dask worker CLI"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def scheduler_file(tmp_path_factory, tiny_model_dir):
+    path = tmp_path_factory.mktemp("cli") / "scheduler.json"
+    proc = subprocess.Popen([BIN / "dask", "scheduler", "--scheduler-file", path, "--port", "0", "--no-dashboard",
+                             "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "dask scheduler did not start"
+            time.sleep(0.2)
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _worker(scheduler_file, *args, log=subprocess.PIPE) -> subprocess.Popen:
+    # The scheduler address goes first, as users write it: with --scheduler-file instead,
+    # the dask CLI does not hand the options after --preload to the preload.
+    address = json.loads(pathlib.Path(scheduler_file).read_text())["address"]
+    return subprocess.Popen([BIN / "dask", "worker", address, "--nthreads", "4", "--no-dashboard",
+                             "--preload", REPO / "plugins" / "worker.py", *args],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def test_cli_worker_with_preload_serves_the_model(scheduler_file, tiny_model_dir, tmp_path):
+    log = (tmp_path / "worker.log").open("w")
+    worker = _worker(scheduler_file, "--daskllm-model", "tiny", "--daskllm-option", "kv_cache_tokens=2048", log=log)
+    try:
+        with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
+            client.wait_for_workers(1, timeout=120)
+            assert list(resident_models(client).values()) == [["tiny"]]
+            # Functions from the package: CLI workers cannot import this test module.
+            got = [c.token_ids for c in client.gather(client.map(generate, ["tiny"] * 3, PROMPTS, [PARAMS] * 3))]
+            stats = list(client.run(engine_stats).values())[0]["tiny"]
+        with EngineSpec(model="tiny").load(kv_cache_tokens=2048) as engine:
+            assert got == [c.token_ids for c in engine.generate(PROMPTS, PARAMS)]
+        assert stats["cache_blocks_total"] * 16 == 2048  # --daskllm-option reached the engine
+    finally:
+        worker.terminate()
+        worker.wait(60)
+        log.close()
+
+
+def test_cli_worker_with_unknown_model_never_joins(scheduler_file):
+    worker = _worker(scheduler_file, "--daskllm-model", "no-such-model")
+    output, _ = worker.communicate(timeout=120)
+    assert worker.returncode != 0
+    assert "no-such-model" in output
+    with Client(scheduler_file=str(scheduler_file), timeout=30) as client:
+        assert "no-such-model" not in str(client.scheduler_info()["workers"])
+        assert not any("Registered to" in line for line in output.splitlines())
+
+
+def test_daskllm_help():
+    out = subprocess.run([BIN / "daskllm", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "demo" in out and "models" in out
+
+
+def test_demo_runs_end_to_end(tmp_path, tiny_model_dir):
+    summary_file = tmp_path / "summary.json"
+    run = subprocess.run([BIN / "daskllm", "demo", "--model", "tiny", "--requests", "8", "--max-tokens", "4",
+                          "--dashboard-address", ":0", "--json", summary_file],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Dashboard: http://" in run.stdout and "hit rate" in run.stdout
+    summary = json.loads(summary_file.read_text())
+    assert summary["requests"] == 8
+    assert summary["generated_tokens"] == 8 * 4
+    # The shared system prompt was prefilled once, then served from the cache to every request.
+    assert summary["cached_prompt_tokens"] >= 8 * (summary["system_prompt_tokens"] // 16) * 16

@@ -1,0 +1,114 @@
+"""Engines resident on Dask workers: a real multi-process LocalLLMCluster."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from distributed import Client, get_worker
+from distributed.utils_test import poll_for
+
+from daskllm.cluster import LocalLLMCluster, discover_gpus
+from daskllm.engines import EngineSpec, SamplingParams
+from daskllm.models import ModelNotFoundError
+from daskllm.worker import EngineHost, EngineLoadError, get_engine, resident_models
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPTS = [f"A shared instruction for every request. Question {i}: {'why ' * (i % 5)}?" for i in range(24)]
+
+
+def generate_on_worker(prompt: str) -> tuple[list[int], str, int]:
+    engine = get_engine("tiny")
+    completion = engine.submit(prompt, PARAMS).result()
+    return completion.token_ids, get_worker().address, id(engine)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    """What an in-process engine generates: the multi-process cluster must match it exactly."""
+    with EngineSpec(model=str(tiny_model_dir), name="tiny").load(kv_cache_tokens=4096) as engine:
+        return [c.token_ids for c in engine.generate(PROMPTS, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=8, dashboard_address=":0",
+                         engine_options={"kv_cache_tokens": 4096}) as cluster, Client(cluster) as client:
+        yield client
+
+
+def test_every_worker_holds_the_model(client):
+    assert resident_models(client) == {w: ["tiny"] for w in client.scheduler_info()["workers"]}
+    workers = set(client.scheduler_info()["workers"])
+    poll_for(lambda: {e[1]["worker"] for e in client.get_events("daskllm")} >= workers, timeout=10)
+    assert all(list(e[1]["models"]) == ["tiny"] for e in client.get_events("daskllm"))
+
+
+def test_tasks_share_one_engine_per_worker_and_match_in_process_output(client, expected):
+    futures = client.map(generate_on_worker, PROMPTS, pure=False)
+    results = client.gather(futures)
+    assert [tokens for tokens, _, _ in results] == expected
+    engines_per_worker: dict[str, set[int]] = {}
+    for _, worker, engine_id in results:
+        engines_per_worker.setdefault(worker, set()).add(engine_id)
+    assert all(len(ids) == 1 for ids in engines_per_worker.values())
+
+    # Concurrent tasks on one worker fed the same engine's batch.
+    stats = client.run(lambda dask_worker: dask_worker.plugins["daskllm-engines"].engines["tiny"].stats())
+    assert max(s.max_batch_size for s in stats.values()) > 1
+    assert sum(s.requests_finished for s in stats.values()) >= len(PROMPTS)
+
+
+def test_workers_advertise_models_in_heartbeats(client):
+    def advertised(dask_scheduler):
+        return {addr: ws.metrics.get("daskllm", {}).get("models") for addr, ws in dask_scheduler.workers.items()}
+
+    def all_advertise():
+        return all(list(m or []) == ["tiny"] for m in client.run_on_scheduler(advertised).values())
+
+    poll_for(all_advertise, timeout=10)
+    engines = client.run_on_scheduler(
+        lambda dask_scheduler: [ws.metrics["daskllm"]["engines"]["tiny"] for ws in dask_scheduler.workers.values()])
+    assert all("prefill_tokens_computed" in e and "cache_blocks_total" in e for e in engines)
+
+
+def test_get_engine_names_what_is_missing(client):
+    with pytest.raises(LookupError, match=r"'nope' is not resident.*\['tiny'\]"):
+        client.submit(get_engine, "nope", pure=False).result()
+    with pytest.raises(RuntimeError, match="inside a task"):
+        get_engine("tiny")
+
+
+def test_failed_plugin_setup_leaves_no_half_configured_engines(client, tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(EngineLoadError, match="broken-model"):
+        client.register_plugin(EngineHost([str(tiny_model_dir), str(broken)]), name="daskllm-engines")
+    with pytest.raises(LookupError):
+        client.submit(get_engine, "tiny", pure=False).result()
+    assert client.submit(sum, [1, 2], pure=False).result() == 3  # the workers are alive
+    # Registering a good configuration brings the engines back.
+    client.register_plugin(EngineHost(["tiny"], kv_cache_tokens=4096), name="daskllm-engines")
+    assert all(m == ["tiny"] for m in resident_models(client).values())
+
+
+def test_unknown_model_fails_before_any_worker_starts():
+    started = threading.active_count()
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        LocalLLMCluster(models=["no-such-model"], dashboard_address=":0")
+    assert threading.active_count() <= started + 1
+
+
+def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert discover_gpus() == ["0", "1"]
+    with LocalLLMCluster(models=["tiny"], dashboard_address=":0", threads_per_worker=1,
+                         engine_options={"kv_cache_tokens": 1024}) as cluster, Client(cluster) as client:
+        visible = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
+        assert sorted(visible.values()) == ["0", "1"]
+        names = {w["name"] for w in client.scheduler_info()["workers"].values()}
+        assert names == {"0", "1"}
+        with pytest.raises(ValueError, match="visible GPUs"):
+            cluster.scale(3)
