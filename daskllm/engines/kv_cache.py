@@ -106,19 +106,27 @@ class BlockManager:
             out.append(block_id)
         return out
 
-    def register(self, block_id: int, parent: int, token_ids: Sequence[int]) -> int:
-        """Name a block that has just been filled; returns its chain hash.
+    def register(self, block_id: int, parent: int, token_ids: Sequence[int]) -> tuple[int, int]:
+        """Name a block that has just been filled: returns (its chain hash, the block to keep using).
 
         If another block already holds the same prefix (two sequences computed it in the
-        same step), the first stays the cached copy and this one is dropped at release.
+        same step), the caller switches to that copy and this one is dropped: the two hold
+        the same bits (the forward pass is batch-invariant), and every user of a block
+        then also holds its parent, so a parent is never evicted before its children.
         """
-        block = self.blocks[block_id]
         tokens = tuple(token_ids)
         h = hash_block(parent, tokens)
-        if h not in self.hash_to_block:
+        existing = self.hash_to_block.get(h)
+        if existing is None:
+            block = self.blocks[block_id]
             block.hash, block.token_ids = h, tokens
             self.hash_to_block[h] = block_id
-        return h
+            return h, block_id
+        if existing != block_id and self.blocks[existing].token_ids == tokens:
+            self._acquire(existing)
+            self.release([block_id])
+            return h, existing
+        return h, block_id
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; the tail of a sequence becomes evictable first."""

@@ -7,7 +7,7 @@ batch change a reduction:
 
 * Matrix products get a row count that is a multiple of ``ROW_MULTIPLE``: the CPU GEMM
   kernels give every row the same bits for any such row count (they switch to other
-  kernels for 1-3 rows). ``tests/test_engine.py`` checks this on the machine it runs on.
+  kernels for 1-3 rows). ``tests/test_batch_invariance.py`` checks this on the machine it runs on.
 * Attention never reduces over a length that depends on the context: keys are taken in
   fixed chunks of one cache block, each chunk is a fixed-shape matmul, and chunk results
   are combined by a sequential ``cumsum`` over chunks, where chunks past a query's

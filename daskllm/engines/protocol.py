@@ -97,6 +97,7 @@ class EngineStats:
     requests_submitted: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    requests_cancelled: int = 0
     prefill_tokens_computed: int = 0
     prefill_tokens_cached: int = 0
     decode_tokens: int = 0

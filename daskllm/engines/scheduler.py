@@ -114,7 +114,8 @@ class Scheduler:
         full = seq.num_computed // bs
         for idx in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            h = self.blocks.register(seq.block_table[idx], parent, seq.token_ids[idx * bs:(idx + 1) * bs])
+            h, seq.block_table[idx] = self.blocks.register(seq.block_table[idx], parent,
+                                                           seq.token_ids[idx * bs:(idx + 1) * bs])
             seq.block_hashes.append(h)
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:

@@ -278,6 +278,7 @@ class TorchEngine:
         with self._state:
             for seq in [s for s in (*self._scheduler.running, *self._scheduler.waiting) if s.future.cancelled()]:
                 self._scheduler.finish(seq)
+                self._stats.requests_cancelled += 1
             step = self._scheduler.schedule()
             if not step:
                 if self._scheduler.has_work():  # nothing fits: fail rather than spin
