@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daskllm.engines.llama import ROW_MULTIPLE, linear, pad_rows
+from daskllm.engines.invariant import ROW_MULTIPLE, linear, pad_rows
 
 MAX_ROWS = 70
 # (K, N): the tiny model's projections (qkv, gate/up, down, lm head) and an odd shape

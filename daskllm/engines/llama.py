@@ -5,9 +5,9 @@ others, or on top of a cached prefix. Float arithmetic is only reproducible if e
 number is computed by the same sequence of operations, so this module never lets the
 batch change a reduction:
 
-* Matrix products get a row count that is a multiple of ``ROW_MULTIPLE``: the CPU GEMM
-  kernels give every row the same bits for any such row count (they switch to other
-  kernels for 1-3 rows). ``tests/test_batch_invariance.py`` checks this on the machine it runs on.
+* Matrix products get a row count padded to a multiple of 4 (see
+  :mod:`daskllm.engines.invariant`), for which the CPU GEMM kernels give every row the
+  same bits whatever the row count.
 * Attention never reduces over a length that depends on the context: keys are taken in
   fixed chunks of one cache block, each chunk is a fixed-shape matmul, and chunk results
   are combined by a sequential ``cumsum`` over chunks, where chunks past a query's
@@ -27,24 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 4
+from daskllm.engines.invariant import linear, pad_rows
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PREFILL_TILE = 128  # query positions per attention tile: bounds memory on long prompts
-
-
-def pad_rows(n: int) -> int:
-    return max(ROW_MULTIPLE, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)
-
-
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    extra = pad_rows(x.shape[0]) - x.shape[0]
-    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, extra)) if extra else x
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with the row count padded so every row's result is batch-invariant."""
-    n = x.shape[0]
-    return F.linear(_padded(x), weight, bias)[:n]
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +210,6 @@ class LlamaModel:
         return linear(_rms_norm(rows, self.norm, c.rms_norm_eps), self.lm_head).float()
 
     def _attention(self, layer: int, q: torch.Tensor, step: StepInput) -> torch.Tensor:
-        c = self.config
         out = torch.zeros_like(q)
         decodes = [s for s in step.seqs if s[1] == 1]
         if decodes:

@@ -99,6 +99,28 @@ class TorchEngine:
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
                on_text: TokenCallback | None = None) -> Future[Completion]:
+        return self._enqueue([self._sequence(prompt, params, on_text)])[0]
+
+    def submit_many(self, prompts: SequenceABC[Prompt], params: SamplingParams | None = None) -> list[Future]:
+        """Submit prompts atomically, so they all join the same engine step.
+
+        A bad prompt does not stop the others: its slot holds a future failed with a
+        RequestError naming its position.
+        """
+        if isinstance(prompts, str):
+            raise RequestError("submit_many() takes a list of prompts; use submit() for one")
+        seqs: list[Sequence | Future] = []
+        for i, p in enumerate(prompts):
+            try:
+                seqs.append(self._sequence(p, params))
+            except RequestError as exc:
+                failed: Future = Future()
+                failed.set_exception(RequestError(f"prompt {i}: {exc}"))
+                seqs.append(failed)
+        queued = iter(self._enqueue([s for s in seqs if isinstance(s, Sequence)]))
+        return [s if isinstance(s, Future) else next(queued) for s in seqs]
+
+    def _sequence(self, prompt: Prompt, params: SamplingParams | None, on_text: TokenCallback | None = None):
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -111,25 +133,14 @@ class TorchEngine:
                        generator=make_generator(params))
         if on_text is not None or params.stop:
             seq.text = TextStream(self._decode_generated, params.stop)
-        return self._enqueue(seq)
+        return seq
 
     def generate(self, prompts: SequenceABC[Prompt], params: SamplingParams | None = None, *,
                  return_exceptions: bool = False) -> list[Completion]:
         """Generate for all prompts together. A bad prompt fails alone: with
         ``return_exceptions`` its slot holds the error, else it is raised once the rest finish."""
-        if isinstance(prompts, str):
-            raise RequestError("generate() takes a list of prompts; use submit() for one")
-        futures: list[Future | BaseException] = []
-        for i, p in enumerate(prompts):
-            try:
-                futures.append(self.submit(p, params))
-            except RequestError as exc:
-                futures.append(RequestError(f"prompt {i}: {exc}"))
         results: list = []
-        for f in futures:
-            if isinstance(f, BaseException):
-                results.append(f)
-                continue
+        for f in self.submit_many(prompts, params):
             try:
                 results.append(f.result())
             except Exception as exc:  # noqa: BLE001 - reported per prompt
@@ -160,8 +171,7 @@ class TorchEngine:
         self._check_fits(len(cacheable))
         seq = Sequence(f"{self.name}-prefill-{next(_request_ids)}", cacheable, len(cacheable), SamplingParams(),
                        Future(), prefill_only=True)
-        seq.num_cached = None
-        future = self._enqueue(seq)
+        future = self._enqueue([seq])[0]
         handle: Future[PrefillHandle] = Future()
 
         def done(f: Future):
@@ -245,14 +255,14 @@ class TorchEngine:
         if num_tokens > capacity:
             raise RequestError(f"request needs {num_tokens} tokens of KV cache; engine {self.name!r} holds {capacity}")
 
-    def _enqueue(self, seq: Sequence) -> Future:
+    def _enqueue(self, seqs: list[Sequence]) -> list[Future]:
         with self._wakeup:
             if self._closed:
                 raise EngineClosed(f"engine {self.name!r} is closed")
-            self._inbox.append(seq)
-            self._stats.requests_submitted += 1
+            self._inbox.extend(seqs)
+            self._stats.requests_submitted += len(seqs)
             self._wakeup.notify()
-        return seq.future
+        return [s.future for s in seqs]
 
     def _decode_generated(self, token_ids: SequenceABC[int]) -> str:
         return self.detokenize([t for t in token_ids if t not in self._eos])
@@ -279,11 +289,16 @@ class TorchEngine:
             for seq in [s for s in (*self._scheduler.running, *self._scheduler.waiting) if s.future.cancelled()]:
                 self._scheduler.finish(seq)
                 self._stats.requests_cancelled += 1
-            step = self._scheduler.schedule()
+            try:
+                step = self._scheduler.schedule()
+            except RuntimeError as exc:  # a request that can never fit (submit() should rule it out)
+                step, error = [], exc
+            else:
+                error = None
             if not step:
-                if self._scheduler.has_work():  # nothing fits: fail rather than spin
-                    seq = self._scheduler.waiting[0]
-                    self._fail(seq, RuntimeError(f"request {seq.request_id} could not be scheduled"))
+                if self._scheduler.has_work():  # no progress possible: fail one request rather than spin
+                    seq = self._scheduler.waiting[0] if self._scheduler.waiting else self._scheduler.running[-1]
+                    self._fail(seq, error or RuntimeError(f"request {seq.request_id} could not be scheduled"))
                 return
         start = time.perf_counter()
         try:
