@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
+	# The pip that venv bundles (23.2) can crash in its resolver on this dependency set.
+	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned, so pip takes the local CPU wheel rather than a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
