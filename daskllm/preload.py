@@ -5,7 +5,10 @@
 (or ``--preload plugins/worker.py`` from a checkout). Options, each repeatable where it
 makes sense:
 
-``--daskllm-model NAME_OR_DIR``   a recipe name or a local Hugging Face model directory
+``--daskllm-model NAME_OR_DIR``   an LLM: a recipe name or a local Hugging Face model directory
+``--daskllm-embedder NAME_OR_DIR``  an embedding model (e.g. all-MiniLM-L6-v2)
+``--daskllm-reranker NAME_OR_DIR``  a reranker: a cross-encoder directory, or an embedding
+                                   model for a bi-encoder (sharing the embedder's weights)
 ``--daskllm-backend torch|vllm``  the engine backend for those models (default torch)
 ``--daskllm-option KEY=VALUE``    an engine option, e.g. ``kv_cache_tokens=8192``
 ``--daskllm-threads N``           torch threads for the engine (default: all cores)
@@ -35,17 +38,21 @@ def _parse_option(text: str) -> tuple[str, object]:
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--daskllm-model", "models", multiple=True, required=True,
-              help="Model to keep resident: recipe name or local HF directory (repeatable).")
+@click.option("--daskllm-model", "models", multiple=True,
+              help="LLM to keep resident: recipe name or local HF directory (repeatable).")
+@click.option("--daskllm-embedder", "embedders", multiple=True, help="Embedding model to keep resident (repeatable).")
+@click.option("--daskllm-reranker", "rerankers", multiple=True, help="Reranker to keep resident (repeatable).")
 @click.option("--daskllm-backend", "backend", default="torch", show_default=True,
               type=click.Choice(["torch", "vllm"]))
 @click.option("--daskllm-option", "options", multiple=True, help="Engine option KEY=VALUE (repeatable).")
 @click.option("--daskllm-threads", "threads", type=int, default=None, help="torch threads for the engine.")
-async def dask_setup(worker, models, backend, options, threads):
+async def dask_setup(worker, models, embedders, rerankers, backend, options, threads):
+    if not (models or embedders or rerankers):
+        raise click.UsageError("give at least one --daskllm-model, --daskllm-embedder or --daskllm-reranker")
     engine_options = dict(_parse_option(o) for o in options)
     specs = [EngineSpec(model=m, backend=backend, options=engine_options) for m in models]
     defaults = {"num_threads": threads} if threads else {}
-    host = EngineHost(specs, **defaults)
+    host = EngineHost(specs, embedders=embedders, rerankers=rerankers, **defaults)
     if hasattr(worker, "_pending_plugins"):
         # Dask logs and ignores a preload's exception, so a failed load here would leave a
         # worker without engines in the cluster. Plugins given to the worker at start-up

@@ -1,12 +1,14 @@
-"""Engines resident on Dask workers.
+"""Engines and index shards resident on Dask workers.
 
 :class:`EngineHost` is a ``WorkerPlugin``: it loads the configured engines once per worker
-process at setup and closes them at teardown. A task running on that worker finds its
+process at setup and closes them at teardown. Engines are of three kinds: ``llm``
+(generate, prefill), ``embed`` and ``rerank``. A task running on that worker finds its
 engine with :func:`get_engine`; many tasks running at once on one worker all feed the same
-engine (one copy of the weights, requests batched together).
+engine (one copy of the weights, requests batched together). Vector-index shards built or
+loaded on a worker live in the same plugin (see :mod:`daskllm.retrieval`).
 
-A worker advertises the models it holds in its heartbeat metrics (``ws.metrics["daskllm"]``
-on the scheduler) and with a ``daskllm`` event when its engines come up.
+A worker advertises what it holds in its heartbeat metrics (``ws.metrics["daskllm"]`` on
+the scheduler) and with a ``daskllm`` event when its engines come up.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 from distributed import WorkerPlugin, get_worker
 
-from daskllm.engines import Completion, Engine, EngineSpec, PrefillHandle, SamplingParams
+from daskllm.engines import KINDS, Completion, Engine, EngineSpec, PrefillHandle, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +32,27 @@ class EngineLoadError(RuntimeError):
 
 
 class EngineHost(WorkerPlugin):
-    """Keeps one engine per configured model resident in a worker process."""
+    """Keeps the configured engines, and any index shards, resident in a worker process."""
 
     name = PLUGIN_NAME
 
-    def __init__(self, models: Iterable[str | Mapping | EngineSpec], **engine_defaults):
-        self.specs = [EngineSpec.parse(m) for m in models]
+    def __init__(self, models: Iterable[str | Mapping | EngineSpec] = (), *,
+                 embedders: Iterable[str | Mapping | EngineSpec] = (),
+                 rerankers: Iterable[str | Mapping | EngineSpec] = (), **engine_defaults):
+        self.specs = ([EngineSpec.parse(m, "llm") for m in models] + [EngineSpec.parse(m, "embed") for m in embedders]
+                      + [EngineSpec.parse(m, "rerank") for m in rerankers])
         if not self.specs:
-            raise ValueError("EngineHost needs at least one model")
-        names = [s.engine_name for s in self.specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two engines would share a name: {names}")
+            raise ValueError("EngineHost needs at least one model, embedder or reranker")
+        keys = [(s.kind, s.engine_name) for s in self.specs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"two engines of one kind would share a name: {keys}")
         self.engine_defaults = engine_defaults
-        self.engines: dict[str, Engine] = {}
+        self.engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
+        self.indexes: dict[str, dict[int, object]] = {}  # index name -> shard number -> VectorIndex
 
     def __getstate__(self):
-        return {"specs": self.specs, "engine_defaults": self.engine_defaults, "engines": {}, "_announced": True}
+        return {"specs": self.specs, "engine_defaults": self.engine_defaults,
+                "engines": {kind: {} for kind in KINDS}, "indexes": {}, "_announced": True}
 
     async def setup(self, worker) -> None:
         # Loading takes seconds: keep the worker's event loop (heartbeats) responsive.
@@ -55,9 +62,12 @@ class EngineHost(WorkerPlugin):
 
     def teardown(self, worker) -> None:
         worker.metrics.pop("daskllm", None)
-        engines, self.engines = self.engines, {}
-        for engine in engines.values():
-            engine.close()
+        engines, self.engines = self.engines, {kind: {} for kind in KINDS}
+        self.indexes = {}
+        close_engines(engines)
+
+    def models(self) -> dict[str, list[str]]:
+        return {kind: sorted(engines) for kind, engines in self.engines.items()}
 
     def metrics(self, worker=None) -> dict:
         """Small and msgpack-friendly: sent to the scheduler with every heartbeat."""
@@ -66,10 +76,13 @@ class EngineHost(WorkerPlugin):
             # connected to the scheduler, and Dask drops events logged before it is.
             self._announced = True
             worker.log_event("daskllm", {"action": "engines-loaded", "worker": worker.address,
-                                         "models": sorted(self.engines)})
+                                         "models": self.models()})
         return {
-            "models": sorted(self.engines),
-            "engines": {name: e.stats().as_dict() for name, e in self.engines.items()},
+            "models": self.models(),
+            "engines": {kind: {name: e.stats().as_dict() for name, e in engines.items()}
+                        for kind, engines in self.engines.items()},
+            "indexes": {name: {str(shard): index.ntotal for shard, index in shards.items()}
+                        for name, shards in self.indexes.items()},
         }
 
 
@@ -78,40 +91,68 @@ def _connected(worker) -> bool:
     return bool(stream and stream.comm and not stream.comm.closed())
 
 
-def load_engines(specs: Iterable[EngineSpec], defaults: Mapping | None = None) -> dict[str, Engine]:
-    """Load every spec, or none: on any failure the loaded ones are closed and the error names the model."""
-    engines: dict[str, Engine] = {}
+def load_engines(specs: Iterable[EngineSpec], defaults: Mapping | None = None) -> dict[str, dict[str, Engine]]:
+    """Load every spec, or none: on any failure the loaded ones are closed and the error names the model.
+
+    A bi-encoder reranker on the same model as an embed engine shares that engine's weights.
+    """
+    from daskllm.engines.reranker import is_cross_encoder
+    from daskllm.models import resolve
+
+    engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
     try:
-        for spec in specs:
+        for spec in sorted(specs, key=lambda s: KINDS.index(s.kind)):
             try:
-                engines[spec.engine_name] = spec.load(**(defaults or {}))
+                options = dict(defaults or {})
+                if spec.kind == "rerank" and not is_cross_encoder(resolve(spec.model)):
+                    path = resolve(spec.model)
+                    shared = next((e for e in engines["embed"].values() if e.path == path), None)
+                    if shared is not None:
+                        options["embedder"] = shared
+                engines[spec.kind][spec.engine_name] = spec.load(**options)
             except Exception as exc:
-                raise EngineLoadError(f"could not load model {spec.model!r} ({spec.backend} backend): {exc}") from exc
+                raise EngineLoadError(f"could not load {spec.kind} model {spec.model!r} ({spec.backend} backend): "
+                                      f"{exc}") from exc
     except BaseException:
-        for engine in engines.values():
-            engine.close()
+        close_engines(engines)
         raise
     return engines
 
 
-def get_engine(model: str) -> Engine:
-    """The engine for ``model`` on the worker running the current task."""
+def close_engines(engines: dict[str, dict[str, Engine]]) -> None:
+    for kind in reversed(KINDS):  # rerankers first: they may share an embed engine
+        for engine in engines.get(kind, {}).values():
+            engine.close()
+
+
+def host() -> EngineHost:
+    """The engine host of the worker running the current task."""
     try:
         worker = get_worker()
     except ValueError:
-        raise RuntimeError(f"get_engine({model!r}) must run inside a task on a daskllm worker") from None
-    host = worker.plugins.get(PLUGIN_NAME)
-    if host is None or not host.engines:
+        raise RuntimeError("daskllm engines are only reachable inside a task on a daskllm worker") from None
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
         raise LookupError(f"worker {worker.address} holds no daskllm engines; start workers with "
-                          f"LocalLLMCluster(models=...) or `dask worker --preload daskllm.preload --model ...`")
-    engine = host.engines.get(model)
+                          f"LocalLLMCluster(models=...) or `dask worker --preload daskllm.preload --daskllm-model ...`")
+    return plugin
+
+
+def get_engine(model: str, kind: str = "llm") -> Engine:
+    """The ``kind`` engine (llm, embed, rerank) for ``model`` on the worker running the current task."""
+    try:
+        get_worker()
+    except ValueError:
+        raise RuntimeError(f"get_engine({model!r}) must run inside a task on a daskllm worker") from None
+    engines = host().engines.get(kind, {})
+    engine = engines.get(model)
     if engine is None:
         from daskllm.models import model_name
 
-        engine = host.engines.get(model_name(model))
+        engine = engines.get(model_name(model))
     if engine is None:
-        raise LookupError(f"model {model!r} is not resident on worker {worker.address}; "
-                          f"it holds {sorted(host.engines)}")
+        raise LookupError(f"{kind} model {model!r} is not resident on worker {get_worker().address}; "
+                          f"it holds {sorted(engines)}")
     return engine
 
 
@@ -128,18 +169,20 @@ def prefill(model: str, prefix) -> PrefillHandle:
     return get_engine(model).prefill(prefix)
 
 
-def engine_stats(dask_worker=None) -> dict[str, dict]:
-    """Counters of every engine on a worker; use with ``client.run(engine_stats)``."""
-    host = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME)
-    return {name: e.stats().as_dict() for name, e in host.engines.items()} if host is not None else {}
+def engine_stats(dask_worker=None, kind: str = "llm") -> dict[str, dict]:
+    """Counters of a worker's engines of one kind; use with ``client.run(engine_stats)``."""
+    plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        return {}
+    return {name: e.stats().as_dict() for name, e in plugin.engines.get(kind, {}).items()}
 
 
-def resident_models(client) -> dict[str, list[str]]:
-    """Which models each worker of ``client``'s cluster holds right now."""
+def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
+    """Which models of one kind each worker of ``client``'s cluster holds right now."""
 
     def models(dask_worker) -> list[str]:
-        host = dask_worker.plugins.get(PLUGIN_NAME)
-        return sorted(host.engines) if host is not None else []
+        plugin = dask_worker.plugins.get(PLUGIN_NAME)
+        return sorted(plugin.engines.get(kind, {})) if plugin is not None else []
 
     return client.run(models)
 

@@ -11,15 +11,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(request, tmp_path_factory) -> Iterator[pathlib.Path]:
-    """The `tiny` recipe, built once into a cache shared by the session and its children.
+def daskllm_cache(request, tmp_path_factory) -> Iterator[str]:
+    """One model/corpus cache for the session and its children.
 
-    DASKLLM_CACHE_DIR is exported so subprocesses and Dask workers resolve the
-    same directory instead of building their own copy; the pytest cache keeps the
-    build across sessions.
+    DASKLLM_CACHE_DIR is exported so subprocesses and Dask workers resolve the same
+    directory instead of building their own copy; the pytest cache keeps builds across
+    sessions.
     """
-    from daskllm.models import resolve
-
     shared = os.environ.get("DASKLLM_CACHE_DIR")
     if not shared:
         pytest_cache = getattr(request.config, "cache", None)
@@ -30,5 +28,20 @@ def tiny_model_dir(request, tmp_path_factory) -> Iterator[pathlib.Path]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("DASKLLM_CACHE_DIR", shared)
         with dask.config.set({"daskllm.models.cache-dir": shared}):
-            model_dir = resolve("tiny")
-        yield model_dir
+            yield shared
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(daskllm_cache) -> pathlib.Path:
+    """The `tiny` recipe, built once into the shared cache."""
+    from daskllm.models import resolve
+
+    return resolve("tiny")
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus(daskllm_cache) -> pathlib.Path:
+    """The stdlib documentation table's parquet file, built once into the shared cache."""
+    from daskllm.corpus import corpus_path
+
+    return corpus_path()

@@ -42,7 +42,9 @@ def test_every_worker_holds_the_model(client):
     assert resident_models(client) == {w: ["tiny"] for w in client.scheduler_info()["workers"]}
     workers = set(client.scheduler_info()["workers"])
     poll_for(lambda: {e[1]["worker"] for e in client.get_events("daskllm")} >= workers, timeout=10)
-    assert all(list(e[1]["models"]) == ["tiny"] for e in client.get_events("daskllm"))
+    assert all(list(e[1]["models"]["llm"]) == ["tiny"] for e in client.get_events("daskllm"))
+    assert resident_models(client, kind="embed") == {w: ["all-MiniLM-L6-v2"] for w in workers}
+    assert resident_models(client, kind="rerank") == {w: ["all-MiniLM-L6-v2"] for w in workers}
 
 
 def test_tasks_share_one_engine_per_worker_and_match_in_process_output(client, expected):
@@ -55,7 +57,7 @@ def test_tasks_share_one_engine_per_worker_and_match_in_process_output(client, e
     assert all(len(ids) == 1 for ids in engines_per_worker.values())
 
     # Concurrent tasks on one worker fed the same engine's batch.
-    stats = client.run(lambda dask_worker: dask_worker.plugins["daskllm-engines"].engines["tiny"].stats())
+    stats = client.run(lambda dask_worker: dask_worker.plugins["daskllm-engines"].engines["llm"]["tiny"].stats())
     assert max(s.max_batch_size for s in stats.values()) > 1
     assert sum(s.requests_finished for s in stats.values()) >= len(PROMPTS)
 
@@ -65,11 +67,12 @@ def test_workers_advertise_models_in_heartbeats(client):
         return {addr: ws.metrics.get("daskllm", {}).get("models") for addr, ws in dask_scheduler.workers.items()}
 
     def all_advertise():
-        return all(list(m or []) == ["tiny"] for m in client.run_on_scheduler(advertised).values())
+        return all(m and list(m["llm"]) == ["tiny"] for m in client.run_on_scheduler(advertised).values())
 
     poll_for(all_advertise, timeout=10)
     engines = client.run_on_scheduler(
-        lambda dask_scheduler: [ws.metrics["daskllm"]["engines"]["tiny"] for ws in dask_scheduler.workers.values()])
+        lambda dask_scheduler: [ws.metrics["daskllm"]["engines"]["llm"]["tiny"]
+                                for ws in dask_scheduler.workers.values()])
     assert all("prefill_tokens_computed" in e and "cache_blocks_total" in e for e in engines)
 
 

@@ -22,6 +22,7 @@ from daskllm.engines.protocol import (
 )
 
 BACKENDS = ("torch", "vllm")
+KINDS = ("llm", "embed", "rerank")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class EngineSpec:
     model: str
     name: str | None = None  # what tasks call it; default: the recipe name or directory name
     backend: str = "torch"
+    kind: str = "llm"  # llm (generate/prefill), embed, or rerank
     options: Mapping[str, Any] = field(default_factory=dict)  # passed to the engine constructor
 
     def __post_init__(self):
@@ -39,16 +41,18 @@ class EngineSpec:
         if self.backend not in BACKENDS:
             raise ValueError(f"EngineSpec.backend for model {self.model!r} must be one of {BACKENDS}, "
                              f"got {self.backend!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"EngineSpec.kind for model {self.model!r} must be one of {KINDS}, got {self.kind!r}")
         object.__setattr__(self, "options", dict(self.options))
 
     @classmethod
-    def parse(cls, value: str | Mapping | EngineSpec) -> EngineSpec:
+    def parse(cls, value: str | Mapping | EngineSpec, kind: str = "llm") -> EngineSpec:
         if isinstance(value, EngineSpec):
             return value
         if isinstance(value, str):
-            return cls(model=value)
+            return cls(model=value, kind=kind)
         if isinstance(value, Mapping):
-            return cls(**value)
+            return cls(**{"kind": kind, **value})
         raise TypeError(f"a model is a name, a directory, a dict or an EngineSpec; got {value!r}")
 
     @property
@@ -60,6 +64,14 @@ class EngineSpec:
     def load(self, **defaults) -> Engine:
         """Build the engine; ``defaults`` are options the spec does not set itself."""
         options = {**defaults, **self.options}
+        if self.kind == "embed":
+            from daskllm.engines.embedder import EmbedEngine
+
+            return EmbedEngine(self.model, name=self.engine_name, **options)
+        if self.kind == "rerank":
+            from daskllm.engines.reranker import load_reranker
+
+            return load_reranker(self.model, name=self.engine_name, **options)
         if self.backend == "vllm":
             from daskllm.engines.vllm import VLLMEngine
 
