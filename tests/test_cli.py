@@ -12,6 +12,7 @@ import pytest
 from distributed import Client
 
 from daskllm.engines import EngineSpec, SamplingParams
+from daskllm.retrieval import embed
 from daskllm.worker import engine_stats, generate, resident_models
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -49,11 +50,15 @@ def _worker(scheduler_file, *args, log=subprocess.PIPE) -> subprocess.Popen:
 
 def test_cli_worker_with_preload_serves_the_model(scheduler_file, tiny_model_dir, tmp_path):
     log = (tmp_path / "worker.log").open("w")
-    worker = _worker(scheduler_file, "--daskllm-model", "tiny", "--daskllm-option", "kv_cache_tokens=2048", log=log)
+    worker = _worker(scheduler_file, "--daskllm-model", "tiny", "--daskllm-option", "kv_cache_tokens=2048",
+                     "--daskllm-embedder", "all-MiniLM-L6-v2", log=log)
     try:
         with Client(scheduler_file=str(scheduler_file), timeout=60) as client:
             client.wait_for_workers(1, timeout=120)
             assert list(resident_models(client).values()) == [["tiny"]]
+            assert list(resident_models(client, kind="embed").values()) == [["all-MiniLM-L6-v2"]]
+            vectors = client.submit(embed, "all-MiniLM-L6-v2", PROMPTS).result()
+            assert vectors.shape == (3, 384)
             # Functions from the package: CLI workers cannot import this test module.
             got = [c.token_ids for c in client.gather(client.map(generate, ["tiny"] * 3, PROMPTS, [PARAMS] * 3))]
             stats = list(client.run(engine_stats).values())[0]["tiny"]

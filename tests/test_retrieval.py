@@ -253,3 +253,45 @@ def test_ingest_a_dataframe_column_and_save_load(client, tmp_path, stdlib_corpus
 def test_rerank_task_on_the_cluster(client):
     ranking = client.submit(rerank, "all-MiniLM-L6-v2", "hash some bytes", DOCS, 2).result()
     assert ranking[0][0] == 4 and len(ranking) == 2
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(tmp_path_factory, embedder):
+    """A small cross-encoder with random weights and MiniLM's tokenizer (no reranker weights exist here)."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("cross-encoder")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, num_labels=1)
+    BertForSequenceClassification(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(embedder.path / name, path / name)
+    return path
+
+
+def test_any_cross_encoder_directory_scores_pairs_jointly(cross_encoder_dir):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from daskllm.engines.reranker import CrossEncoderReranker, load_reranker
+
+    reranker = load_reranker(str(cross_encoder_dir))
+    assert isinstance(reranker, CrossEncoderReranker)
+    try:
+        query = "How do I read a JSON file?"
+        scores = reranker.scores(query, DOCS)
+        tokenizer = AutoTokenizer.from_pretrained(cross_encoder_dir)
+        model = AutoModelForSequenceClassification.from_pretrained(cross_encoder_dir).eval()
+        with torch.no_grad():
+            expected = model(**tokenizer([query] * len(DOCS), DOCS, padding=True, return_tensors="pt")).logits[:, 0]
+        np.testing.assert_allclose(scores, expected.numpy(), atol=1e-5)
+        ranking = reranker.rerank(query, DOCS, k=2)
+        assert [i for i, _ in ranking] == sorted(range(len(DOCS)), key=lambda i: (-scores[i], i))[:2]
+        with pytest.raises(RequestError, match="query must be a str"):
+            reranker.submit(None, DOCS)
+    finally:
+        reranker.close()
