@@ -11,20 +11,34 @@ __version__ = "0.1.0"
 # Heavy modules (torch, transformers) load on first use, so a scheduler preload or
 # `daskllm --help` stays fast.
 _LAZY = {
+    "prompt": "daskllm.api",
+    "chat": "daskllm.api",
+    "generate": "daskllm.api",
+    "prefill": "daskllm.api",
+    "embed": "daskllm.api",
+    "search": "daskllm.api",
+    "rerank": "daskllm.api",
+    "gather": "daskllm.api",
+    "batch": "daskllm.api",
+    "compute": "daskllm.api",
+    "explain": "daskllm.api",
+    "usage": "daskllm.metering",
+    "ShardedIndex": "daskllm.retrieval",
     "LocalLLMCluster": "daskllm.cluster",
     "EngineHost": "daskllm.worker",
     "get_engine": "daskllm.worker",
     "SamplingParams": "daskllm.engines.protocol",
     "Completion": "daskllm.engines.protocol",
     "TorchEngine": "daskllm.engines.torch_engine",
-    "models": "daskllm.models",
+    "models": "daskllm.models:",
 }
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        module = importlib.import_module(_LAZY[name])
-        return module if module.__name__.endswith(name) else getattr(module, name)
+        module_name, _, attr = _LAZY[name].partition(":")
+        module = importlib.import_module(module_name)
+        return module if _ and not attr else getattr(module, name)
     raise AttributeError(f"module 'daskllm' has no attribute {name!r}")
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from distributed import WorkerPlugin, get_worker
@@ -49,10 +51,11 @@ class EngineHost(WorkerPlugin):
         self.engine_defaults = engine_defaults
         self.engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
         self.indexes: dict[str, dict[int, object]] = {}  # index name -> shard number -> VectorIndex
+        self.usage = UsageLog()
 
     def __getstate__(self):
         return {"specs": self.specs, "engine_defaults": self.engine_defaults,
-                "engines": {kind: {} for kind in KINDS}, "indexes": {}, "_announced": True}
+                "engines": {kind: {} for kind in KINDS}, "indexes": {}, "usage": UsageLog(), "_announced": True}
 
     async def setup(self, worker) -> None:
         # Loading takes seconds: keep the worker's event loop (heartbeats) responsive.
@@ -125,12 +128,56 @@ def close_engines(engines: dict[str, dict[str, Engine]]) -> None:
             engine.close()
 
 
+class UsageLog(OrderedDict):
+    """What each task really executed, by task key; the oldest entries go first past a bound."""
+
+    def __init__(self, limit: int = 200_000):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+class LocalHost(EngineHost):
+    """Engines in this process, loaded on first use: for computing without a cluster."""
+
+    def __init__(self):
+        self.specs, self.engine_defaults = [], {}
+        self.engines = {kind: {} for kind in KINDS}
+        self.indexes, self.usage = {}, UsageLog()
+        self._lock = threading.Lock()
+
+    def load(self, model: str, kind: str) -> Engine:
+        with self._lock:
+            engines = self.engines[kind]
+            if model not in engines:
+                engines[model] = EngineSpec(model=model, kind=kind).load()
+            return engines[model]
+
+    def close(self) -> None:
+        close_engines(self.engines)
+        self.engines = {kind: {} for kind in KINDS}
+
+
+_local_host: LocalHost | None = None
+
+
+def local_host() -> LocalHost:
+    global _local_host
+    if _local_host is None:
+        _local_host = LocalHost()
+    return _local_host
+
+
 def host() -> EngineHost:
-    """The engine host of the worker running the current task."""
+    """The engine host of the worker running the current task (this process's, outside a cluster)."""
     try:
         worker = get_worker()
     except ValueError:
-        raise RuntimeError("daskllm engines are only reachable inside a task on a daskllm worker") from None
+        return local_host()
     plugin = worker.plugins.get(PLUGIN_NAME)
     if plugin is None:
         raise LookupError(f"worker {worker.address} holds no daskllm engines; start workers with "
@@ -139,17 +186,20 @@ def host() -> EngineHost:
 
 
 def get_engine(model: str, kind: str = "llm") -> Engine:
-    """The ``kind`` engine (llm, embed, rerank) for ``model`` on the worker running the current task."""
-    try:
-        get_worker()
-    except ValueError:
-        raise RuntimeError(f"get_engine({model!r}) must run inside a task on a daskllm worker") from None
-    engines = host().engines.get(kind, {})
+    """The ``kind`` engine (llm, embed, rerank) for ``model`` on the worker running the current task.
+
+    Outside a cluster (e.g. ``node.compute()`` with the threaded scheduler) engines are
+    loaded into this process on first use.
+    """
+    plugin = host()
+    engines = plugin.engines.get(kind, {})
     engine = engines.get(model)
     if engine is None:
         from daskllm.models import model_name
 
         engine = engines.get(model_name(model))
+    if engine is None and isinstance(plugin, LocalHost):
+        return plugin.load(model, kind)
     if engine is None:
         raise LookupError(f"{kind} model {model!r} is not resident on worker {get_worker().address}; "
                           f"it holds {sorted(engines)}")

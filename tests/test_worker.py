@@ -79,8 +79,6 @@ def test_workers_advertise_models_in_heartbeats(client):
 def test_get_engine_names_what_is_missing(client):
     with pytest.raises(LookupError, match=r"'nope' is not resident.*\['tiny'\]"):
         client.submit(get_engine, "nope", pure=False).result()
-    with pytest.raises(RuntimeError, match="inside a task"):
-        get_engine("tiny")
 
 
 def test_failed_plugin_setup_leaves_no_half_configured_engines(client, tiny_model_dir, tmp_path):

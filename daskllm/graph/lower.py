@@ -1,0 +1,366 @@
+"""Lowering: the optimized IR becomes a Dask graph of task-type tasks with annotations.
+
+Each batched node becomes shards (its ``shard_size`` from the stage pass, or one shard, or
+one task per call with ``granularity="query"``). With CSE on, identical calls anywhere in
+the graph are one physical call; calls found in the result cache are literal values. A
+consumer's shard depends only on the producer tasks that hold its inputs. Keys are
+deterministic (a hash of the calls a task makes), so identical work is one key.
+
+Every LLM task carries the ``daskllm`` annotation (ARCHITECTURE.md): op, model or index,
+the prefix hash chain, prompt tokens, output-token estimate and shard size. Nothing else
+couples the graph side to the scheduler side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import dask
+import networkx as nx
+from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from daskllm import config, tasks
+from daskllm.engines.kv_cache import block_hashes
+from daskllm.graph.items import Dyn, hashes, items, static_prefix
+from daskllm.graph.nodes import BATCHABLE_OPS, Node, _registry, stable_hash
+from daskllm.graph.prompt import tokenizer_for
+from daskllm.rewrite import PassManager
+from daskllm.rewrite.cache import RESULTS, cacheable
+
+OVERRIDE_KEYS = {"passes": "rewrite.passes", "granularity": "rewrite.granularity",
+                 "result_cache": "rewrite.result-cache"}
+
+
+@contextlib.contextmanager
+def overrides(kwargs: dict):
+    """Per-call overrides of the rewrite config, taken out of ``compute(**kwargs)``."""
+    settings = {f"daskllm.{OVERRIDE_KEYS[k]}": kwargs.pop(k) for k in list(kwargs) if k in OVERRIDE_KEYS}
+    with dask.config.set(settings):
+        yield
+
+
+@dataclass
+class Lowered:
+    graph: HighLevelGraph
+    plan: nx.DiGraph
+    report: dict = field(default_factory=dict)
+
+
+def plan(outputs: list[Node]) -> nx.DiGraph:
+    """The IR graph of everything ``outputs`` need, with the configured passes applied."""
+    graph = nx.DiGraph(outputs=list(outputs), report={})
+    stack = list(outputs)
+    while stack:
+        node = stack.pop()
+        if node in graph and graph.nodes[node].get("visited"):
+            continue
+        graph.add_node(node, visited=True)
+        for producer in node.inputs.values():
+            graph.add_edge(producer, node)
+            stack.append(producer)
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise ValueError(f"the graph has a cycle through {cycle[0][0].label}")
+    passes = list(config.get("rewrite.passes"))
+    if not config.get("rewrite.result-cache"):
+        passes = [p for p in passes if p != "cache"]
+    return PassManager(passes).run(graph)
+
+
+_cache_lock = threading.Lock()
+_lowered_cache: dict = {}
+
+
+def lowered(outputs: list[Node]) -> Lowered:
+    """Plan and lower ``outputs`` together (memoized per outputs and configuration)."""
+    cache_key = (tuple(o.key for o in outputs), str(dask.config.get("daskllm")), len(RESULTS))
+    with _cache_lock:
+        if cache_key in _lowered_cache:
+            return _lowered_cache[cache_key]
+    result = _Lowering(plan(outputs)).run()
+    with _cache_lock:
+        if len(_lowered_cache) > 64:
+            _lowered_cache.clear()
+        _lowered_cache[cache_key] = result
+    return result
+
+
+def optimize(dsk, keys):
+    """Dask's collection optimizer hook: lower every daskllm output of this computation jointly.
+
+    Each node's own graph (``__dask_graph__``) is lowered alone; here the outputs found in
+    the merged graph are planned together, so CSE and shared prefixes work across them.
+    """
+    if not isinstance(dsk, HighLevelGraph):
+        return dsk
+    outputs = [_registry[k] for layer in dsk.layers.values() for k in layer
+               if isinstance(k, str) and k in _registry]
+    if not outputs:
+        return dsk
+    result = lowered(list(dict.fromkeys(outputs)))
+    from daskllm.metering import note_lowering
+
+    note_lowering(result)
+    ours = {name for name in dsk.layers if name.startswith("daskllm-")}
+    layers = {name: layer for name, layer in dsk.layers.items() if name not in ours}
+    layers.update(result.graph.layers)
+    deps = {name: set(dsk.dependencies.get(name, ())) for name in dsk.layers if name not in ours}
+    for name, d in deps.items():
+        if d & ours:
+            d -= ours
+            d |= set(result.graph.layers)
+    deps.update(result.graph.dependencies)
+    return HighLevelGraph(layers, deps)
+
+
+class _Lowering:
+    def __init__(self, graph: nx.DiGraph):
+        self.g = graph
+        self.layers: dict[str, dict] = defaultdict(dict)
+        self.annotations: dict[str, dict] = {}
+        self.pinned: dict[str, list[str]] = {}
+        self.loc: dict[Node, list] = {}  # node -> per item: ("const", value) | (task key, pos)
+        self.dedupe = bool(graph.graph.get("cse"))
+        self.physical: dict[str, tuple[str, int]] = {}  # item hash -> (task key, pos) across the graph
+        self.granularity = config.get("rewrite.granularity")
+        self.report = dict(graph.graph["report"])
+        self.counts: dict[str, int] = defaultdict(int)
+        self.requested: dict[str, int] = defaultdict(int)
+        self.extra_graphs: list[HighLevelGraph] = []
+
+    def run(self) -> Lowered:
+        for node in nx.topological_sort(self.g):
+            getattr(self, f"_lower_{node.op}")(node)
+        for out in self.g.graph["outputs"]:
+            self._output(out)
+        layers, deps, layer_of = {}, {}, {}
+        for extra in self.extra_graphs:
+            layers.update(extra.layers)
+            deps.update(extra.dependencies)
+            for name, layer in extra.layers.items():
+                layer_of.update(dict.fromkeys(layer, name))
+        names = {op: f"daskllm-{op}-{stable_hash(sorted(mapping))[:8]}" for op, mapping in self.layers.items()}
+        for op, mapping in self.layers.items():
+            layer_of.update(dict.fromkeys(mapping, names[op]))
+        for op, mapping in self.layers.items():
+            annotations = {"daskllm": self._annotation}
+            if op == "search":
+                annotations.update(workers=self._workers, allow_other_workers=False)
+            layers[names[op]] = MaterializedLayer(mapping, annotations)
+            deps[names[op]] = {layer_of[d] for task in mapping.values() for d in task.dependencies} - {names[op]}
+        self.report.update(tasks=dict(self.counts), requested=dict(self.requested),
+                           applied=list(self.g.graph.get("applied", [])))
+        return Lowered(HighLevelGraph(layers, deps), self.g, self.report)
+
+    def _annotation(self, key):
+        return self.annotations.get(key)
+
+    def _workers(self, key):
+        return self.pinned.get(key)
+
+    def _add(self, op: str, key: str, task, annotation: dict | None = None) -> None:
+        self.layers[op][key] = task
+        if annotation is not None:
+            self.annotations[key] = annotation
+        self.counts[op] += 1
+
+    # --- item references ------------------------------------------------------------------
+
+    def _deps_for(self, parts_lists: list[list]) -> tuple[list, list]:
+        """Replace Dyn parts by Refs into the task's dependency list."""
+        dep_index: dict[str, int] = {}
+        deps: list = []
+        out = []
+        for parts in parts_lists:
+            resolved = []
+            for part in parts:
+                if isinstance(part, Dyn):
+                    where = self.loc[part.node][part.index]
+                    if where[0] == "const":
+                        resolved.append(where[1])
+                        continue
+                    key, pos = where
+                    if key not in dep_index:
+                        dep_index[key] = len(deps)
+                        deps.append(TaskRef(key))
+                    resolved.append(tasks.Ref(dep_index[key], pos))
+                else:
+                    resolved.append(part)
+            out.append(resolved)
+        return out, deps
+
+    def _shards(self, node: Node, todo: list[int]) -> list[list[int]]:
+        if self.granularity == "query":
+            size = 1
+        else:
+            size = self.g.nodes[node].get("shard_size") or max(1, len(todo))
+        return [todo[i:i + size] for i in range(0, len(todo), size)]
+
+    def _plan_items(self, node: Node) -> tuple[list[int], list]:
+        """Which calls must run (first occurrences), and fill ``loc`` for the rest."""
+        item_hashes = hashes(self.g, node)
+        cached = self.g.nodes[node].get("cached") or [None] * node.n
+        self.loc[node] = [None] * node.n
+        self.requested[node.op] += node.n
+        todo, seen = [], {}
+        for i, h in enumerate(item_hashes):
+            if cached[i] is not None:
+                self.loc[node][i] = ("const", cached[i])
+            elif self.dedupe and h in self.physical:
+                self.loc[node][i] = self.physical[h]
+            elif self.dedupe and h in seen:
+                continue
+            else:
+                seen[h] = i
+                todo.append(i)
+        return todo, item_hashes
+
+    def _place(self, node: Node, item_hashes: list[str], shard: list[int], key: str) -> None:
+        for pos, i in enumerate(shard):
+            self.loc[node][i] = (key, pos)
+            if self.dedupe:
+                self.physical[item_hashes[i]] = (key, pos)
+
+    def _fill_duplicates(self, node: Node, item_hashes: list[str]) -> None:
+        for i, where in enumerate(self.loc[node]):
+            if where is None:
+                self.loc[node][i] = self.physical[item_hashes[i]]
+
+    # --- one method per op ----------------------------------------------------------------
+
+    def _lower_const(self, node: Node) -> None:
+        values = node.value if node.batched else [node.value]
+        self.loc[node] = [("const", v) for v in values]
+
+    def _lower_delayed(self, node: Node) -> None:
+        self.extra_graphs = [*self.extra_graphs, node.value.__dask_graph__()]
+        self.loc[node] = [(node.value.key, None)]
+
+    def _lower_persisted(self, node: Node) -> None:
+        dsk, key = node.value
+        self.extra_graphs = [*self.extra_graphs, HighLevelGraph.from_collections(f"persisted-{key}", dsk, ())]
+        self.loc[node] = [(key, i if node.batched else None) for i in range(node.n)]
+
+    def _lower_gather(self, node: Node) -> None:
+        source = node.inputs["items"]
+        key = f"gather-{node.hash}"
+        spec, deps = self._deps_for([[Dyn(source, i)] for i in range(source.n)])
+        self._add("gather", key, Task(key, tasks.assemble, [p[0] for p in spec], *deps))
+        self.loc[node] = [(key, None)]
+
+    def _lower_prefill(self, node: Node) -> None:
+        model = node.params["model"]
+        if "tokens" in node.params:
+            parts_list = [[node.params["tokens"]]]
+        else:
+            parts_list = items(self.g, node)
+        self.loc[node] = []
+        for i, parts in enumerate(parts_list):
+            key = f"prefill-{stable_hash(model, hashes(self.g, node)[i] if 'tokens' not in node.params else parts)}"
+            resolved, deps = self._deps_for([parts])
+            tokens = static_prefix(parts)
+            self._add("prefill", key, Task(key, tasks.run_prefill, key, model, resolved[0], *deps),
+                      self._llm_annotation("prefill", model, [tokens], 0, 1))
+            self.loc[node].append((key, None))
+
+    def _lower_generate(self, node: Node) -> None:
+        model, sampling = node.params["model"], node.params["sampling"]
+        todo, item_hashes = self._plan_items(node)
+        all_items = items(self.g, node)
+        prefills = self.g.nodes[node].get("prefill") or [None] * node.n
+        for shard in self._shards(node, todo):
+            key = f"decode-{stable_hash([item_hashes[i] for i in shard])}"
+            resolved, deps = self._deps_for([all_items[i] for i in shard])
+            pre_keys = {self.loc[prefills[i]][0][0] for i in shard if prefills[i] is not None}
+            deps += [TaskRef(k) for k in sorted(pre_keys)]
+            prefixes = [static_prefix(all_items[i]) for i in shard]
+            self._add("decode", key, Task(key, tasks.run_decode, key, model, sampling, resolved, *deps),
+                      self._llm_annotation("decode", model, prefixes, sampling.max_tokens, len(shard)))
+            self._place(node, item_hashes, shard, key)
+        self._fill_duplicates(node, item_hashes)
+
+    def _llm_annotation(self, op: str, model: str, prefixes: list[tuple[int, ...]], max_tokens: int,
+                        shard: int) -> dict:
+        common = prefixes[0] if prefixes else ()
+        for p in prefixes[1:]:
+            n = next((j for j, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
+            common = common[:n]
+        block = int(config.get("engine.block-size"))
+        return {"op": op, "model": model, "prefix": [format(h, "x") for h in block_hashes(common, block)],
+                "prompt_tokens": sum(len(p) for p in prefixes), "max_tokens": max_tokens * shard, "shard": shard}
+
+    def _lower_simple(self, node: Node, op: str, fn, *params) -> None:
+        todo, item_hashes = self._plan_items(node)
+        all_items = items(self.g, node)
+        for shard in self._shards(node, todo):
+            key = f"{op}-{stable_hash([item_hashes[i] for i in shard])}"
+            resolved, deps = self._deps_for([all_items[i] for i in shard])
+            args = [r[0] if len(r) == 1 else tuple(r) for r in resolved]
+            self._add(op, key, Task(key, fn, key, *params, args, *deps),
+                      {"op": op, "model": params[0], "shard": len(shard)})
+            self._place(node, item_hashes, shard, key)
+        self._fill_duplicates(node, item_hashes)
+
+    def _lower_embed(self, node: Node) -> None:
+        self._lower_simple(node, "embed", tasks.run_embed, node.params["model"])
+
+    def _lower_rerank(self, node: Node) -> None:
+        self._lower_simple(node, "rerank", tasks.run_rerank, node.params["model"], node.params["k"])
+
+    def _lower_search(self, node: Node) -> None:
+        index, k = node.params["index"], node.params["k"]
+        todo, item_hashes = self._plan_items(node)
+        all_items = items(self.g, node)
+        for shard in self._shards(node, todo):
+            token = stable_hash(index.fingerprint, k, [item_hashes[i] for i in shard])
+            resolved, deps = self._deps_for([all_items[i] for i in shard])
+            args = [r[0] for r in resolved]
+            shard_keys = []
+            for s, worker in enumerate(index.workers):
+                key = f"search-{token}-shard{s}"
+                self._add("search", key, Task(key, tasks.run_search, key, index.name, s, k, args, *deps),
+                          {"op": "search", "index": index.name, "shard": len(shard), "index_shard": s})
+                self.pinned[key] = [worker]
+                shard_keys.append(key)
+            key = f"search-{token}"
+            self._add("merge", key, Task(key, tasks.merge_search, k, *[TaskRef(sk) for sk in shard_keys]))
+            self._place(node, item_hashes, shard, key)
+        self._fill_duplicates(node, item_hashes)
+
+    def _output(self, node: Node) -> None:
+        key = node.key
+        if node.batched:
+            spec, deps = self._deps_for([[Dyn(node, i)] for i in range(node.n)])
+            self._add("output", key, Task(key, tasks.assemble, [p[0] for p in spec], *deps))
+        else:
+            where = self.loc[node][0]
+            if where[0] == "const":
+                self._add("output", key, Task(key, tasks.assemble, (where[1],)))
+            elif where[0] != key:
+                spec, deps = self._deps_for([[Dyn(node, 0)]])
+                self._add("output", key, Task(key, tasks.assemble, (spec[0][0],), *deps))
+        if cacheable(node):
+            _pending_results[key] = (hashes(self.g, node), node.batched)
+
+
+# Output key -> item hashes, so results can be remembered when they come back.
+_pending_results: dict[str, tuple[list[str], bool]] = {}
+
+
+def remember(key: str, value) -> None:
+    if not config.get("rewrite.result-cache"):
+        return
+    pending = _pending_results.pop(key, None)
+    if pending is None:
+        return
+    item_hashes, batched = pending
+    values = value if batched else [value]
+    for h, v in zip(item_hashes, values):
+        RESULTS.put(h, v)
+
+
+__all__ = ["BATCHABLE_OPS", "Lowered", "lowered", "optimize", "overrides", "plan", "remember", "tokenizer_for"]

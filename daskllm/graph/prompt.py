@@ -1,0 +1,196 @@
+"""Prompts whose structure stays visible: static text segments and slots filled by other nodes.
+
+``prompt("You are terse.\\nQ: {question}\\nA:", question=node)`` keeps the static text apart
+from the slot, so the rewrite passes can see which prefix is known before its inputs are
+(Helium's templated prompts), and prefill it early (Teola's partial prefill).
+
+Token ids of a prompt are the concatenation of its parts tokenized separately (after the
+tokenizer's leading special tokens): a static segment always has the same ids whatever
+follows it, which is what makes shared prefixes shareable. Optimized and naive runs use
+this same rule, so they see the same tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+from dataclasses import dataclass
+from typing import Any
+
+SENTINEL = "\x00daskllm-slot-{}\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    name: str
+
+
+Segment = Text | Slot
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Static text and named slots; ``values`` fill the slots (str, list batch, node or delayed)."""
+
+    segments: tuple[Segment, ...]
+    values: dict[str, Any]
+    chat: tuple[tuple[str, Any], ...] | None = None  # (role, content) messages, rendered with the model's template
+
+    def slots(self) -> list[str]:
+        return [s.name for s in self.segments if isinstance(s, Slot)]
+
+
+def _parse_template(template: str) -> list[Segment]:
+    segments: list[Segment] = []
+    for literal, field, spec, conversion in string.Formatter().parse(template):
+        if literal:
+            segments.append(Text(literal))
+        if field is not None:
+            if not field.isidentifier() or spec or conversion:
+                raise ValueError(f"template field {{{field}}} must be a plain name like {{question}}")
+            segments.append(Slot(field))
+    return segments
+
+
+def prompt(*parts, **values) -> Prompt:
+    """Build a prompt from parts: template strings with ``{name}`` fields, nodes, delayed values.
+
+    ``prompt("Q: {q}\\nA:", q=questions)`` or ``prompt("Context:\\n", search_node, "\\nQ: ", q)``.
+    A field with no value is an error naming it.
+    """
+    segments: list[Segment] = []
+    values = dict(values)
+    for i, part in enumerate(parts):
+        if isinstance(part, Prompt):
+            if part.chat is not None:
+                raise ValueError("a chat prompt cannot be nested inside another prompt")
+            segments.extend(part.segments)
+            clash = set(part.values) & set(values)
+            if clash:
+                raise ValueError(f"prompt parts both fill the fields {sorted(clash)}")
+            values.update(part.values)
+        elif isinstance(part, str):
+            segments.extend(_parse_template(part))
+        else:
+            name = f"_part{i}"
+            segments.append(Slot(name))
+            values[name] = part
+    return _checked(Prompt(tuple(_merge_text(segments)), values))
+
+
+def chat(messages: list[dict], **values) -> Prompt:
+    """Chat messages (``{"role": ..., "content": str | Prompt}``), rendered with the model's chat template."""
+    rendered: list[tuple[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+        content = message["content"]
+        if isinstance(content, str):
+            content = prompt(content)
+        elif not isinstance(content, Prompt):
+            content = prompt(content)
+        clash = set(content.values) & set(values)
+        if clash:
+            raise ValueError(f"message {i} fills fields {sorted(clash)} given elsewhere too")
+        values.update(content.values)
+        rendered.append((message["role"], content.segments))
+    segments = [s for _, segs in rendered for s in segs]
+    return _checked(Prompt(tuple(segments), values, chat=tuple(rendered)))
+
+
+def _merge_text(segments: list[Segment]) -> list[Segment]:
+    out: list[Segment] = []
+    for s in segments:
+        if isinstance(s, Text) and out and isinstance(out[-1], Text):
+            out[-1] = Text(out[-1].text + s.text)
+        elif not (isinstance(s, Text) and not s.text):
+            out.append(s)
+    return out
+
+
+def _checked(p: Prompt) -> Prompt:
+    missing = [name for name in p.slots() if name not in p.values]
+    if missing:
+        raise ValueError(f"prompt field {{{missing[0]}}} has no value; fields given: {sorted(p.values) or 'none'}")
+    return p
+
+
+def as_prompt(value) -> Prompt:
+    """A prompt from what ``generate`` was given: a str is literal text (templates need ``prompt``)."""
+    if isinstance(value, Prompt):
+        return value
+    if isinstance(value, str):
+        return Prompt((Text(value),), {})
+    return prompt(value)
+
+
+def render_chat(p: Prompt, tokenizer) -> tuple[Segment, ...]:
+    """Apply the model's chat template, keeping slots as slots."""
+    if p.chat is None:
+        return p.segments
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model has no chat template; use a plain prompt")
+    names: list[str] = []
+    messages = []
+    for role, segments in p.chat:
+        text = ""
+        for s in segments:
+            if isinstance(s, Text):
+                text += s.text
+            else:
+                text += SENTINEL.format(len(names))
+                names.append(s.name)
+        messages.append({"role": role, "content": text})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    segments: list[Segment] = []
+    rest = rendered
+    for i, name in enumerate(names):
+        before, _, rest = rest.partition(SENTINEL.format(i))
+        segments += [Text(before), Slot(name)]
+    segments.append(Text(rest))
+    return tuple(_merge_text(segments))
+
+
+class PromptTokenizer:
+    """Segment-wise tokenization with a model's tokenizer (client side and worker side alike)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.prefix_ids = tuple(self._encode("", True))  # e.g. BOS
+        self.model_id = getattr(tokenizer, "name_or_path", "")
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=special).ids
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per model, kept for the process
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._encode(text, False))
+
+
+@functools.cache
+def tokenizer_for(model: str) -> PromptTokenizer:
+    from transformers import AutoTokenizer
+
+    from daskllm.models import resolve
+
+    return PromptTokenizer(AutoTokenizer.from_pretrained(resolve(model)))
+
+
+def render_value(value) -> str:
+    """How an upstream output fills a slot: text as is, lists one item per line, hits by their text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        return "\n".join(render_value(v) for v in value)
+    text = getattr(value, "text", None)
+    if isinstance(text, str):
+        return text
+    return str(value)

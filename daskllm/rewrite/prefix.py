@@ -1,0 +1,98 @@
+"""Shared-prefix prefill (Helium's templated radix tree, Teola's partial prefill).
+
+The static prefixes of all calls to one model go into a radix tree over cache blocks. For
+each group of calls whose longest shared prefix is at least ``prefix-min-tokens`` long,
+one ``prefill`` node computes that prefix once; the calls' decodes depend on it, so they
+find it in the engine's cache. A call whose prompt still waits for upstream outputs
+(retrieval, another generation) gets its known prefix prefilled early, in parallel with
+that upstream work: only a true prefix, since attention is causal.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from daskllm import config
+from daskllm.graph.items import is_static, items, static_prefix
+from daskllm.graph.nodes import Node
+
+
+class _Trie:
+    """A radix tree over fixed-size token blocks, counting the calls through each node."""
+
+    __slots__ = ("children", "count")
+
+    def __init__(self):
+        self.children: dict[tuple[int, ...], _Trie] = {}
+        self.count = 0
+
+    def insert(self, blocks: list[tuple[int, ...]]) -> None:
+        node = self
+        for block in blocks:
+            node = node.children.setdefault(block, _Trie())
+            node.count += 1
+
+    def shared_depth(self, blocks: list[tuple[int, ...]]) -> int:
+        """How many leading blocks this sequence shares with at least one other call."""
+        node, depth = self, 0
+        for block in blocks:
+            node = node.children[block]
+            if node.count < 2:
+                break
+            depth += 1
+        return depth
+
+
+def _blocks(tokens: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
+    return [tokens[i:i + size] for i in range(0, len(tokens) - size + 1, size)]
+
+
+class SharedPrefixPrefill:
+    name = "prefix"
+
+    def run(self, graph: nx.DiGraph) -> nx.DiGraph:
+        block = int(config.get("engine.block-size"))
+        threshold = int(config.get("rewrite.prefix-min-tokens"))
+        calls: dict[str, list[tuple[Node, int, tuple[int, ...], bool]]] = {}
+        for node in list(graph):
+            if node.op != "generate":
+                continue
+            cached = graph.nodes[node].get("cached") or [None] * node.n
+            seen: set = set()
+            for i, item in enumerate(items(graph, node)):
+                prefix = static_prefix(item)
+                if cached[i] is not None or (prefix, is_static(item)) in seen and is_static(item):
+                    continue
+                seen.add((prefix, is_static(item)))
+                calls.setdefault(node.params["model"], []).append((node, i, prefix, is_static(item)))
+        prefills: dict[tuple[str, tuple[int, ...]], Node] = {}
+        shared = partial = 0
+        saved = 0
+        for model, group in calls.items():
+            trie = _Trie()
+            for _, _, prefix, _ in group:
+                trie.insert(_blocks(prefix, block))
+            for node, i, prefix, static in group:
+                depth = trie.shared_depth(_blocks(prefix, block))
+                if depth * block >= threshold:
+                    tokens = prefix[:depth * block]
+                    kind = "shared"
+                elif not static and len(prefix) >= threshold:
+                    tokens = prefix[:len(prefix) - len(prefix) % block]  # the engine caches whole blocks
+                    kind = "partial"
+                else:
+                    continue
+                key = (model, tokens)
+                if key not in prefills:
+                    prefills[key] = Node("prefill", params={"model": model, "tokens": tokens})
+                    graph.add_node(prefills[key])
+                    shared += kind == "shared"
+                    partial += kind == "partial"
+                else:
+                    saved += len(tokens)
+                pre = prefills[key]
+                graph.nodes[node].setdefault("prefill", [None] * node.n)[i] = pre
+                graph.add_edge(pre, node)
+        graph.graph["report"]["prefix"] = {"prefills": len(prefills), "shared": shared, "partial": partial,
+                                           "prefill_tokens_saved": saved}
+        return graph

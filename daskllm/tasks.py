@@ -1,0 +1,108 @@
+"""The task types: what a lowered prefill, decode, embed, search or rerank task runs.
+
+Each runs on a worker against its resident engines (or, outside a cluster, against
+engines loaded in this process), takes a shard of items, and records what it really
+executed under its own task key, for :func:`daskllm.usage`.
+
+An item is a list of parts. A static part is a tuple of token ids (or a literal value);
+a :class:`Ref` points at an item of an upstream task's output, which arrives as one of the
+task's dependencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from daskllm.engines import PrefillHandle, SamplingParams
+from daskllm.graph.prompt import render_value
+from daskllm.worker import get_engine, host
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    dep: int  # which dependency (position among the task's dependency arguments)
+    pos: int | None  # item within that dependency's output list; None: the whole value
+
+
+def _value(part, deps):
+    if isinstance(part, Ref):
+        value = deps[part.dep]
+        return value if part.pos is None else value[part.pos]
+    return part
+
+
+def _tokens(parts, deps, engine) -> list[int]:
+    ids: list[int] = []
+    for part in parts:
+        if isinstance(part, Ref):
+            ids += engine.tokenize(render_value(_value(part, deps)), add_special_tokens=False)
+        else:
+            ids += part
+    return ids
+
+
+def _record(task_key: str, op: str, **counters) -> None:
+    host().usage[task_key] = {"op": op, **counters}
+
+
+def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list, *deps) -> list[str]:
+    """Generate for a shard of prompts together: they join the engine's batch in one step."""
+    engine = get_engine(model)
+    prompts = [_tokens(parts, deps, engine) for parts in items]
+    completions = engine.generate(prompts, sampling)
+    _record(task_key, "decode", calls=len(completions),
+            prompt_tokens=sum(c.num_prompt_tokens for c in completions),
+            cached_tokens=sum(c.num_cached_tokens for c in completions),
+            decode_tokens=sum(len(c.token_ids) for c in completions))
+    return [c.text for c in completions]
+
+
+def run_prefill(task_key: str, model: str, parts: list, *deps) -> PrefillHandle:
+    """Put a prefix in this worker's cache; returns a small handle, never KV tensors."""
+    engine = get_engine(model)
+    handle = engine.prefill(_tokens(parts, deps, engine))
+    _record(task_key, "prefill", calls=1, prompt_tokens=handle.num_tokens, cached_tokens=handle.num_cached_tokens,
+            computed_tokens=len(handle.block_hashes) * handle.block_size - handle.num_cached_tokens)
+    return handle
+
+
+def run_embed(task_key: str, model: str, items: list, *deps) -> list[np.ndarray]:
+    texts = [render_value(_value(part, deps)) for part in items]
+    vectors = get_engine(model, "embed").embed(texts)
+    _record(task_key, "embed", calls=len(texts))
+    return list(vectors)
+
+
+def run_search(task_key: str, index_name: str, shard: int, k: int, items: list, *deps) -> list:
+    from daskllm.retrieval import search_shard
+
+    vectors = np.stack([np.asarray(_value(part, deps), dtype=np.float32) for part in items])
+    hits = search_shard(index_name, shard, vectors, k)
+    _record(task_key, "search", calls=len(items))
+    return hits
+
+
+def merge_search(k: int, *per_shard) -> list:
+    from daskllm.index import merge_hits
+
+    return merge_hits(per_shard, k)
+
+
+def run_rerank(task_key: str, model: str, k: int | None, items: list, *deps) -> list[list[str]]:
+    engine = get_engine(model, "rerank")
+    out = []
+    for query_part, docs_part in items:
+        query = render_value(_value(query_part, deps))
+        docs = [render_value(d) for d in _value(docs_part, deps)]
+        out.append([docs[i] for i, _ in engine.rerank(query, docs, k)])
+    _record(task_key, "rerank", calls=len(items), pairs=sum(len(_value(d, deps)) for _, d in items))
+    return out
+
+
+def assemble(spec: list, *deps):
+    """A node's value from its shards: ``spec`` is one part per item (or one part for a scalar)."""
+    if isinstance(spec, tuple):  # scalar
+        return _value(spec[0], deps)
+    return [_value(part, deps) for part in spec]
