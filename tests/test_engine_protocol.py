@@ -268,6 +268,10 @@ def test_cache_accounting(engine, length):
     assert s2.decode_tokens - s0.decode_tokens == 2 * params.max_tokens
 
 
+def backend_name(engine) -> str:
+    return "torch" if type(engine).__name__ == "TorchEngine" else "vllm"
+
+
 def test_prefill_handle_and_reuse(engine):
     prefix = _random_ids(77, 40)  # two full blocks and a partial one
     expected = tuple(block_hashes(prefix, BS))
@@ -283,19 +287,22 @@ def test_prefill_handle_and_reuse(engine):
     assert handle.block_size == BS
     assert handle.model == "tiny"
     assert pickle.loads(pickle.dumps(handle)) == handle
-    assert s1.prefill_tokens_computed - s0.prefill_tokens_computed == 32  # full blocks only
+    assert s1.prefill_tokens_computed - s0.prefill_tokens_computed == 40
     assert set(expected) <= engine.cache_state().resident_hashes
 
+    # Full blocks are reused by hash; the torch engine also keeps the partly filled last
+    # block of a prefill and copies its rows for a prompt that continues the prefix.
+    reused = 40 if backend_name(engine) == "torch" else 32
     suffix = _random_ids(78, 11)[1:]
     c = engine.submit(prefix + suffix, SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=TIMEOUT)
-    assert c.num_cached_tokens == 32
+    assert c.num_cached_tokens == reused
     s2 = engine.stats()
-    assert s2.prefill_tokens_cached - s1.prefill_tokens_cached == 32
-    assert s2.prefill_tokens_computed - s1.prefill_tokens_computed == len(prefix + suffix) - 32
+    assert s2.prefill_tokens_cached - s1.prefill_tokens_cached == reused
+    assert s2.prefill_tokens_computed - s1.prefill_tokens_computed == len(prefix + suffix) - reused
 
     again = engine.prefill(prefix)
     assert again.block_hashes == expected
-    assert again.num_cached_tokens == 32
+    assert again.num_cached_tokens == reused
 
     # a text prefix, and one shorter than a block (nothing to keep)
     text_handle = engine.prefill(SYSTEM)
@@ -318,7 +325,8 @@ def test_prefilled_prefix_gives_same_tokens(backend, tiny_model_dir, engine):
     finally:
         other.close()
     assert handle.block_hashes == tuple(block_hashes(prompt, BS)[:3])
-    assert warm.num_cached_tokens == 48
+    # torch keeps the prefill's partial last block too (rows copied, bit-identical)
+    assert warm.num_cached_tokens == (50 if backend_name(other) == "torch" else 48)
     assert warm.token_ids == expected.token_ids
 
 

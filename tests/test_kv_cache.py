@@ -357,3 +357,16 @@ def test_multibyte_character_with_stop_string_holdback():
         emitted.append(delta)
     emitted.append(stream.flush())
     assert "".join(emitted) == " café€x more"
+
+
+def test_partial_blocks_are_kept_matched_by_prefix_and_forgotten_on_eviction():
+    bm = BlockManager(2, BS)
+    [tail] = bm.allocate(1)
+    bm.register_partial(tail, parent=123, token_ids=[7, 8, 9])
+    bm.release([tail])
+    assert bm.match_partial(123, [7, 8, 9, 10]) == (tail, 3)
+    assert bm.match_partial(123, [7, 8]) is None  # the kept rows must all be a prefix
+    assert bm.match_partial(999, [7, 8, 9]) is None  # after another parent: a different prefix
+    bm.allocate(2)  # needs both blocks: the kept partial block is evicted
+    assert bm.match_partial(123, [7, 8, 9]) is None
+    assert bm.evicted_blocks == 1

@@ -8,6 +8,11 @@ placement plugin computes the same hashes from token ids to mirror what each wor
 Blocks carry reference counts: a block in use by a running sequence is never evicted.
 Released blocks that hold a hashed prefix stay resident, in least-recently-released
 order, until an allocation needs the space (LRU eviction under a fixed token capacity).
+
+A prefill of a shared prefix usually ends inside a block. That partial last block is kept
+too, under its parent's hash and its tokens: a later prompt that continues the prefix
+copies those rows into a block of its own instead of computing them (the rows are the
+same bits it would compute, since the forward pass is batch-invariant).
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = 
 
 
 class _Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "partial_parent")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.partial_parent: int | None = None  # set for a kept partial block
 
 
 class BlockManager:
@@ -57,6 +63,7 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [_Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
+        self.partials: dict[int, dict[tuple[int, ...], int]] = {}  # parent hash -> tokens -> block
         self._empty: deque[int] = deque(range(num_blocks))  # free, holding nothing worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free, hashed; oldest first
         self.evicted_blocks = 0
@@ -128,6 +135,27 @@ class BlockManager:
             return h, existing
         return h, block_id
 
+    def register_partial(self, block_id: int, parent: int, token_ids: Sequence[int]) -> None:
+        """Keep a partly filled block (the tail of a prefill) for prompts that continue it."""
+        tokens = tuple(token_ids)
+        if not tokens or len(tokens) >= self.block_size:
+            return
+        held = self.partials.setdefault(parent, {})
+        if tokens in held:
+            return
+        block = self.blocks[block_id]
+        block.partial_parent, block.token_ids = parent, tokens
+        held[tokens] = block_id
+
+    def match_partial(self, parent: int, next_tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(block, n): the kept partial block after ``parent`` whose tokens start ``next_tokens``."""
+        best = None
+        for tokens, block_id in self.partials.get(parent, {}).items():
+            n = len(tokens)
+            if n <= len(next_tokens) and tuple(next_tokens[:n]) == tokens and (best is None or n > best[1]):
+                best = (block_id, n)
+        return best
+
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; the tail of a sequence becomes evictable first."""
         for block_id in reversed(block_ids):
@@ -135,10 +163,14 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue
-            if block.hash is not None:
+            if block.hash is not None or block.partial_parent is not None:
                 self._evictable[block_id] = None
             else:
                 self._empty.append(block_id)
+
+    def hold(self, block_id: int) -> None:
+        """Take a reference to a resident block (it cannot be evicted until released)."""
+        self._acquire(block_id)
 
     def _acquire(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -149,4 +181,10 @@ class BlockManager:
     def _forget(self, block: _Block) -> None:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
             del self.hash_to_block[block.hash]
-        block.hash, block.token_ids = None, ()
+        if block.partial_parent is not None:
+            held = self.partials.get(block.partial_parent, {})
+            if held.get(block.token_ids) == block.block_id:
+                del held[block.token_ids]
+                if not held:
+                    del self.partials[block.partial_parent]
+        block.hash, block.token_ids, block.partial_parent = None, (), None

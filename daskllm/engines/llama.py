@@ -181,6 +181,12 @@ class LlamaModel:
         self.block_size = block_size
 
     @torch.inference_mode()
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first ``rows`` cached K/V rows of block ``src`` into block ``dst``."""
+        self.k_cache[:, dst, :rows] = self.k_cache[:, src, :rows]
+        self.v_cache[:, dst, :rows] = self.v_cache[:, src, :rows]
+
+    @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Run one step; write new K/V into the cache; return logits for ``step.logit_rows``."""
         c = self.config

@@ -11,6 +11,7 @@ nothing in its output.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -52,8 +53,10 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 copy_rows: Callable[[int, int, int], None] | None = None):
         self.blocks = blocks
+        self.copy_rows = copy_rows  # (src block, dst block, rows): copies cached K/V rows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -123,6 +126,28 @@ class Scheduler:
         seq.block_table = cached
         seq.block_hashes = [self.blocks.blocks[b].hash for b in cached]
         seq.num_computed = len(cached) * self.blocks.block_size
+        if self.copy_rows is None:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        hit = self.blocks.match_partial(parent, seq.token_ids[seq.num_computed:seq.cacheable_limit])
+        if hit is not None:
+            src, rows = hit
+            self.blocks.hold(src)  # so allocating the copy cannot evict the original
+            new = self.blocks.allocate(1)
+            if new is not None:
+                self.copy_rows(src, new[0], rows)
+                seq.block_table.append(new[0])
+                seq.num_computed += rows
+            self.blocks.release([src])
+
+    def keep_partial_tail(self, seq: Sequence) -> None:
+        """After a prefill: keep its partly filled last block for prompts that continue it."""
+        bs = self.blocks.block_size
+        full = seq.num_computed // bs
+        tail = seq.token_ids[full * bs:seq.num_computed]
+        if tail and full < len(seq.block_table):
+            parent = seq.block_hashes[full - 1] if full else ROOT_HASH
+            self.blocks.register_partial(seq.block_table[full], parent, tail)
 
     def _detach(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)

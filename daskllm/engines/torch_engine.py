@@ -79,7 +79,8 @@ class TorchEngine:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {self.block_size} tokens")
         self.model.allocate_cache(num_blocks, self.block_size)
         self._blocks = BlockManager(num_blocks, self.block_size)
-        self._scheduler = Scheduler(self._blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs))
+        self._scheduler = Scheduler(self._blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
+                                    copy_rows=self.model.copy_rows)
         self._eos = set(self.model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self._eos.add(self.tokenizer.eos_token_id)
@@ -163,13 +164,12 @@ class TorchEngine:
         return self.submit_prefill(prompt).result()
 
     def submit_prefill(self, prompt: Prompt) -> Future[PrefillHandle]:
-        """Warm the cache with the full blocks of ``prompt``; a partial last block is not kept."""
+        """Warm the cache with ``prompt``: its full blocks, and its partly filled last block."""
         ids = self._encode(prompt)
         if len(ids) > self.max_model_len:
             raise RequestError(f"prefix has {len(ids)} tokens; model {self.name!r} holds at most {self.max_model_len}")
-        cacheable = ids[:len(ids) - len(ids) % self.block_size]
-        self._check_fits(len(cacheable))
-        seq = Sequence(f"{self.name}-prefill-{next(_request_ids)}", cacheable, len(cacheable), SamplingParams(),
+        self._check_fits(len(ids))
+        seq = Sequence(f"{self.name}-prefill-{next(_request_ids)}", ids, len(ids), SamplingParams(),
                        Future(), prefill_only=True)
         future = self._enqueue([seq])[0]
         handle: Future[PrefillHandle] = Future()
@@ -347,6 +347,7 @@ class TorchEngine:
             if seq.num_computed < len(seq.token_ids):
                 continue  # a long prompt, prefilled in chunks
             if seq.prefill_only:
+                self._scheduler.keep_partial_tail(seq)
                 self._complete(seq, PrefillHandle(self.name, len(seq.token_ids), seq.num_cached or 0,
                                                   self.block_size, tuple(seq.block_hashes)))
                 continue

@@ -60,7 +60,7 @@ def hashes(graph: nx.DiGraph, node: Node) -> list[str]:
         elif node.op in ("delayed", "persisted"):
             data["hashes"] = [stable_hash(node.op, node.key, i) for i in range(node.n)]
         else:
-            salt = (node.op, node.params_for_hash(), node.hash if node.params.get("nonce") else "")
+            salt = stable_hash(node.op, node.params_for_hash(), node.hash if node.params.get("nonce") else "")
             data["hashes"] = [stable_hash(salt, [_hash_of(graph, p) for p in _flat(item)])
                               for item in items(graph, node)]
     return data["hashes"]

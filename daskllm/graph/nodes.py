@@ -10,10 +10,11 @@ template and inputs: the same work built twice is the same node (and the same Da
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
-import dataclasses
 import uuid
+from array import array
 import weakref
 from typing import Any
 
@@ -38,14 +39,18 @@ def stable_hash(*parts) -> str:
 
 
 def _encode(value) -> bytes:
+    kind = type(value)
+    if kind is str:
+        return b"s" + value.encode()
+    if kind is tuple or kind is list:
+        try:  # token ids: the common case, encoded in one go
+            return b"i" + array("q", value).tobytes()
+        except (TypeError, OverflowError):
+            return b"(" + b",".join(_encode(v) for v in value) + b")"
     if isinstance(value, bytes):
         return b"b" + value
-    if isinstance(value, str):
-        return b"s" + value.encode()
     if isinstance(value, (int, float, bool)) or value is None:
         return b"r" + repr(value).encode()
-    if isinstance(value, (tuple, list)):
-        return b"(" + b",".join(_encode(v) for v in value) + b")"
     if isinstance(value, dict):
         return b"{" + b",".join(_encode(k) + b":" + _encode(v) for k, v in sorted(value.items())) + b"}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

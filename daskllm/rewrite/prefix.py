@@ -26,11 +26,11 @@ class _Trie:
         self.children: dict[tuple[int, ...], _Trie] = {}
         self.count = 0
 
-    def insert(self, blocks: list[tuple[int, ...]]) -> None:
+    def insert(self, blocks: list[tuple[int, ...]], calls: int = 1) -> None:
         node = self
         for block in blocks:
             node = node.children.setdefault(block, _Trie())
-            node.count += 1
+            node.count += calls
 
     def shared_depth(self, blocks: list[tuple[int, ...]]) -> int:
         """How many leading blocks this sequence shares with at least one other call."""
@@ -53,46 +53,50 @@ class SharedPrefixPrefill:
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
         block = int(config.get("engine.block-size"))
         threshold = int(config.get("rewrite.prefix-min-tokens"))
-        calls: dict[str, list[tuple[Node, int, tuple[int, ...], bool]]] = {}
+        # model -> static prefix -> [(node, item, fully static?)]: calls from one template share
+        # a prefix, so the tree is built over distinct prefixes, weighted by their calls.
+        calls: dict[str, dict[tuple[int, ...], list[tuple[Node, int, bool]]]] = {}
         for node in list(graph):
             if node.op != "generate":
                 continue
             cached = graph.nodes[node].get("cached") or [None] * node.n
-            seen: set = set()
+            by_prefix = calls.setdefault(node.params["model"], {})
+            seen_static: set = set()
             for i, item in enumerate(items(graph, node)):
-                prefix = static_prefix(item)
-                if cached[i] is not None or (prefix, is_static(item)) in seen and is_static(item):
+                if cached[i] is not None:
                     continue
-                seen.add((prefix, is_static(item)))
-                calls.setdefault(node.params["model"], []).append((node, i, prefix, is_static(item)))
+                prefix, static = static_prefix(item), is_static(item)
+                if static:  # identical static prompts are one call (CSE): count them once
+                    if prefix in seen_static:
+                        continue
+                    seen_static.add(prefix)
+                by_prefix.setdefault(prefix, []).append((node, i, static))
         prefills: dict[tuple[str, tuple[int, ...]], Node] = {}
-        shared = partial = 0
-        saved = 0
-        for model, group in calls.items():
+        shared = partial = saved = 0
+        for model, by_prefix in calls.items():
             trie = _Trie()
-            for _, _, prefix, _ in group:
-                trie.insert(_blocks(prefix, block))
-            for node, i, prefix, static in group:
+            for prefix, group in by_prefix.items():
+                trie.insert(_blocks(prefix, block), len(group))
+            for prefix, group in by_prefix.items():
                 depth = trie.shared_depth(_blocks(prefix, block))
-                if depth * block >= threshold:
-                    tokens = prefix[:depth * block]
-                    kind = "shared"
-                elif not static and len(prefix) >= threshold:
-                    tokens = prefix[:len(prefix) - len(prefix) % block]  # the engine caches whole blocks
-                    kind = "partial"
-                else:
-                    continue
-                key = (model, tokens)
-                if key not in prefills:
-                    prefills[key] = Node("prefill", params={"model": model, "tokens": tokens})
-                    graph.add_node(prefills[key])
-                    shared += kind == "shared"
-                    partial += kind == "partial"
-                else:
-                    saved += len(tokens)
-                pre = prefills[key]
-                graph.nodes[node].setdefault("prefill", [None] * node.n)[i] = pre
-                graph.add_edge(pre, node)
+                for node, i, static in group:
+                    if depth * block >= threshold:
+                        tokens, kind = prefix[:depth * block], "shared"
+                    elif not static and len(prefix) >= threshold:
+                        tokens, kind = prefix[:len(prefix) - len(prefix) % block], "partial"  # whole blocks
+                    else:
+                        continue
+                    key = (model, tokens)
+                    if key not in prefills:
+                        prefills[key] = Node("prefill", params={"model": model, "tokens": tokens})
+                        graph.add_node(prefills[key])
+                        shared += kind == "shared"
+                        partial += kind == "partial"
+                    else:
+                        saved += len(tokens)
+                    pre = prefills[key]
+                    graph.nodes[node].setdefault("prefill", [None] * node.n)[i] = pre
+                    graph.add_edge(pre, node)
         graph.graph["report"]["prefix"] = {"prefills": len(prefills), "shared": shared, "partial": partial,
                                            "prefill_tokens_saved": saved}
         return graph
