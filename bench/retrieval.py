@@ -70,7 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--task-threads", type=int, default=4,
                    help="Dask threads per worker, and in-process caller threads in part 3")
     p.add_argument("--search-batch", type=int, default=64, help="queries per search call in part 4")
-    p.add_argument("--search-text-queries", type=int, default=512,
+    p.add_argument("--no-trim-comparison", action="store_true",
+                   help="part 3: skip the second 1-worker cluster started without MALLOC_TRIM_THRESHOLD_")
+    p.add_argument("--search-text-queries", type=int, default=256,
                    help="text queries per measurement in part 4 (vector queries use all questions)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch threads of the in-process engine (default: all cores)")
@@ -342,18 +344,24 @@ def _stats(engine):
     return s.texts, s.batches
 
 
-def bench_embed(args, client, engine, texts, log) -> dict:
+TRIM = "MALLOC_TRIM_THRESHOLD_"
+EMBED_MODES = ("dask", "dask_no_trim", "in_process")
+
+
+def bench_embed(args, clients: dict, engine, texts, log) -> dict:
+    """``clients``: mode -> Client of a 1-worker cluster ("dask": Dask's default worker
+    environment; "dask_no_trim": the same without MALLOC_TRIM_THRESHOLD_)."""
     from daskllm.retrieval import embed
     from daskllm.worker import engine_stats
 
-    def worker_stats():
+    def worker_stats(client):
         (stats,) = client.run(engine_stats, kind="embed").values()
         return stats[MODEL]["texts"], stats[MODEL]["batches"]
 
     pool = concurrent.futures.ThreadPoolExecutor(args.task_threads)
-    out = {"worker": _worker_threads(client), "texts": len(texts), "runs": []}
+    out = {"workers": {mode: _worker_threads(c) for mode, c in clients.items()}, "texts": len(texts), "runs": []}
 
-    def dask_run(batches):
+    def dask_run(client, batches):
         futures = [client.submit(embed, MODEL, b, pure=False) for b in batches]
         return np.concatenate(client.gather(futures))
 
@@ -361,16 +369,21 @@ def bench_embed(args, client, engine, texts, log) -> dict:
         return np.concatenate(list(pool.map(engine.embed, batches)))
 
     reference = engine.embed(texts)
+    modes = [m for m in EMBED_MODES if m == "in_process" or m in clients]
     try:
         for rep in range(args.repeats):
-            for size in args.embed_batch_sizes:
+            for j, size in enumerate(args.embed_batch_sizes):
                 batches = [texts[i:i + size] for i in range(0, len(texts), size)]
-                modes = ("dask", "in_process") if (rep + args.embed_batch_sizes.index(size)) % 2 == 0 \
-                    else ("in_process", "dask")
-                for mode in modes:
-                    stats = worker_stats if mode == "dask" else (lambda: _stats(engine))
+                shift = (rep + j) % len(modes)
+                for mode in modes[shift:] + modes[:shift]:  # rotate the order
+                    if mode == "in_process":
+                        stats, run = (lambda: _stats(engine)), local_run
+                    else:
+                        client = clients[mode]
+                        stats = (lambda c=client: worker_stats(c))
+                        run = (lambda b, c=client: dask_run(c, b))
                     before = stats()
-                    seconds, vectors = _timed(dask_run if mode == "dask" else local_run, batches)
+                    seconds, vectors = _timed(run, batches)
                     after = stats()
                     engine_batches = after[1] - before[1]
                     out["runs"].append({"rep": rep, "batch": size, "mode": mode, "batches": len(batches),
@@ -384,18 +397,26 @@ def bench_embed(args, client, engine, texts, log) -> dict:
     summary = {}
     for size in args.embed_batch_sizes:
         runs = [r for r in out["runs"] if r["batch"] == size]
-        row = {m: _median(r["texts_per_s"] for r in runs if r["mode"] == m) for m in ("dask", "in_process")}
+
+        def tps(rep, mode):
+            return next(r["texts_per_s"] for r in runs if (r["rep"], r["mode"]) == (rep, mode))
+
+        row = {m: _median(r["texts_per_s"] for r in runs if r["mode"] == m) for m in modes}
         row["mean_engine_batch"] = {m: _median(r["mean_engine_batch"] for r in runs if r["mode"] == m)
-                                    for m in ("dask", "in_process")}
-        row["ratio_in_process_over_dask"] = _median(
-            next(r["texts_per_s"] for r in runs if (r["rep"], r["mode"]) == (rep, "in_process"))
-            / next(r["texts_per_s"] for r in runs if (r["rep"], r["mode"]) == (rep, "dask"))
-            for rep in range(args.repeats))
+                                    for m in modes}
+        for m in modes:
+            if m != "in_process":
+                row[f"ratio_in_process_over_{m}"] = _median(tps(rep, "in_process") / tps(rep, m)
+                                                            for rep in range(args.repeats))
         row["batches"] = runs[0]["batches"]
         row["bit_identical"] = all(r["bit_identical_to_one_call"] for r in runs)
         summary[size] = row
     out["summary"] = summary
     return out
+
+
+def _worker_env(dask_worker=None) -> dict:
+    return {k: os.environ.get(k) for k in (TRIM, "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -445,18 +466,37 @@ def markdown(res: dict, args) -> str:
                  f"{e['2_shard_texts']['worker_embeddings_bit_identical']:,} / {e['2_shard_texts']['total']:,}.")
     lines.append("")
     em = res["embed"]
+    trim = "dask_no_trim" in em["workers"]
     lines += [f"3. Embedding throughput: {em['texts']} texts (query sentences, {res['embed_tokens_mean']:.1f} tokens "
-              f"on average) split into batches, all in flight; Dask: 1 worker "
-              f"({_threads(em['worker'])}, {args.task_threads} task threads); in-process: "
-              f"{args.task_threads} threads calling `EmbedEngine.embed` "
-              f"(median of {args.repeats}; ratio: median of per-repetition ratios)\n",
-              "| batch size | batches | Dask texts/s | in-process texts/s | in-process / Dask | "
-              "mean engine batch (Dask / in-process) | bit-identical |",
-              "|---:|---:|---:|---:|---:|---:|---|"]
+              f"on average) split into batches, all in flight. Dask: `client.submit(embed, ...)` per batch on a "
+              f"1-worker `LocalLLMCluster` ({_threads(em['workers']['dask'])}, {args.task_threads} task threads)"
+              + (f"; \"no trim\": a second such cluster started without Dask's default `{TRIM}=65536`"
+                 if trim else "")
+              + f". In-process: {args.task_threads} threads calling `EmbedEngine.embed`. Median of {args.repeats}; "
+              f"ratios: medians of per-repetition ratios.\n"]
+    head = "| batch size | batches | Dask texts/s |"
+    align = "|---:|---:|---:|"
+    if trim:
+        head += " Dask, no trim texts/s |"
+        align += "---:|"
+    head += " in-process texts/s | in-process / Dask |"
+    align += "---:|---:|"
+    if trim:
+        head += " in-process / Dask no trim |"
+        align += "---:|"
+    head += " mean engine batch | bit-identical |"
+    align += "---:|---|"
+    lines += [head, align]
     for size, r in em["summary"].items():
-        lines.append(f"| {size} | {r['batches']} | {r['dask']:,.0f} | {r['in_process']:,.0f} | "
-                     f"{r['ratio_in_process_over_dask']:.2f}x | {r['mean_engine_batch']['dask']:.1f} / "
-                     f"{r['mean_engine_batch']['in_process']:.1f} | {'yes' if r['bit_identical'] else 'NO'} |")
+        cells = [str(size), str(r["batches"]), f"{r['dask']:,.0f}"]
+        if trim:
+            cells.append(f"{r['dask_no_trim']:,.0f}")
+        cells += [f"{r['in_process']:,.0f}", f"{r['ratio_in_process_over_dask']:.2f}x"]
+        if trim:
+            cells.append(f"{r['ratio_in_process_over_dask_no_trim']:.2f}x")
+        cells += [" / ".join(f"{v:.1f}" for v in r["mean_engine_batch"].values()),
+                  "yes" if r["bit_identical"] else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     s = res["sharded"]["search_summary"]
     lines += [f"4. Search throughput, 1 vs 2 shards ({rows:,} vectors, k={args.k}, {args.search_batch} queries per "
@@ -486,6 +526,7 @@ def _threads(workers: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    import dask
     from distributed import Client
 
     from daskllm.cluster import LocalLLMCluster
@@ -542,11 +583,28 @@ def main(argv=None) -> int:
         phases["sharded_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        log("part 3: 1-worker cluster ...")
+        log("part 3: 1-worker clusters ...")
         embed_texts = (queries * (args.embed_texts // max(1, len(queries)) + 1))[:args.embed_texts]
-        with LocalLLMCluster(n_workers=1, **cluster_options) as cluster, Client(cluster) as client:
+        with contextlib.ExitStack() as stack:
+            clients = {}
+            if not args.no_trim_comparison:
+                # Dask's Nanny puts its pre-spawn-environ into this process's os.environ (the 2-worker
+                # cluster above did), so remove it here too, or the worker would inherit it anyway.
+                saved = os.environ.pop(TRIM, None)
+                with dask.config.set({f"distributed.nanny.pre-spawn-environ.{TRIM}": None}):
+                    cluster = stack.enter_context(LocalLLMCluster(n_workers=1, **cluster_options))
+                clients["dask_no_trim"] = stack.enter_context(Client(cluster))
+                if saved is not None:
+                    os.environ[TRIM] = saved
+            cluster = stack.enter_context(LocalLLMCluster(n_workers=1, **cluster_options))
+            clients["dask"] = stack.enter_context(Client(cluster))
             phases["cluster1_start_s"] = time.perf_counter() - t0
-            embed_res = bench_embed(args, client, engine, embed_texts, log)
+            envs = {mode: next(iter(c.run(_worker_env).values())) for mode, c in clients.items()}
+            log(f"  worker environments: {envs}")
+            if not args.no_trim_comparison and envs["dask_no_trim"][TRIM] is not None:
+                log(f"warning: {TRIM} is still set on the no-trim worker")
+            embed_res = bench_embed(args, clients, engine, embed_texts, log)
+            embed_res["worker_env"] = envs
         phases["embed_s"] = time.perf_counter() - t0
         embed_tokens_mean = float(np.mean([len(t) for t in engine.tokenize(embed_texts)]))
     finally:

@@ -20,6 +20,7 @@ _LAZY = {
     "rerank": "daskllm.api",
     "gather": "daskllm.api",
     "batch": "daskllm.api",
+    "tokens": "daskllm.api",
     "compute": "daskllm.api",
     "explain": "daskllm.api",
     "usage": "daskllm.metering",

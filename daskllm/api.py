@@ -17,7 +17,7 @@ from dask.delayed import Delayed
 from daskllm import config
 from daskllm.engines import SamplingParams
 from daskllm.graph.nodes import Node
-from daskllm.graph.prompt import Prompt, as_prompt, chat, prompt
+from daskllm.graph.prompt import Prompt, Tokens, as_prompt, chat, prompt, tokenizer_fingerprint, tokens
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
 
 
@@ -52,7 +52,12 @@ def _model(model: str | None, kind: str = "llm") -> str:
     return model
 
 
-def _prompt_inputs(op: str, p: Prompt) -> dict[str, Node]:
+def _prompt_inputs(op: str, p: Prompt, model: str) -> dict[str, Node]:
+    for seg in p.segments:
+        if isinstance(seg, Tokens) and seg.model != model and tokenizer_fingerprint(seg.model) != \
+                tokenizer_fingerprint(model):
+            raise ValueError(f"{op}({model!r}): the prompt has token ids from model {seg.model!r}, whose tokenizer "
+                             f"differs; pass text, or token ids from {model!r}'s tokenizer")
     return {name: _input(value) for name, value in p.values.items()}
 
 
@@ -67,7 +72,7 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
         raise ValueError(f"generate({model!r}): a sampled call without a seed is not deterministic and cannot be "
                          f"cached; pass seed= or cache=False")
     p = as_prompt(prompt_)
-    inputs = _prompt_inputs("generate", p)
+    inputs = _prompt_inputs("generate", p, model)
     return Node("generate", inputs=inputs, template=p.segments, chat=p.chat, width=_width("generate", inputs),
                 params={"model": model, "sampling": sampling, "cache": cache is not False and sampling.deterministic,
                         "nonce": not sampling.deterministic},
@@ -78,7 +83,7 @@ def prefill(prefix, model: str | None = None) -> Node:
     """Warm the engine's cache with ``prefix``; its value is a small PrefillHandle."""
     model = _model(model)
     p = as_prompt(prefix)
-    inputs = _prompt_inputs("prefill", p)
+    inputs = _prompt_inputs("prefill", p, model)
     return Node("prefill", inputs=inputs, template=p.segments, chat=p.chat, width=_width("prefill", inputs),
                 params={"model": model})
 
@@ -145,10 +150,16 @@ def compute(*nodes, passes=None, granularity=None, result_cache=None, **kwargs):
 
     from daskllm.graph.lower import overrides
 
+    from daskllm.graph.lower import remember
+
     settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
                                   "result_cache": result_cache}.items() if v is not None}
     with overrides(settings):
-        return dask.compute(*nodes, **kwargs)
+        results = dask.compute(*nodes, **kwargs)
+        for node, value in zip(nodes, results):
+            if isinstance(node, Node):
+                remember(node.key, value)
+    return results
 
 
 def explain(*nodes, file=None) -> dict:
@@ -175,5 +186,5 @@ def explain(*nodes, file=None) -> dict:
     return report
 
 
-__all__ = ["batch", "chat", "compute", "embed", "explain", "gather", "generate", "prefill", "prompt", "rerank",
+__all__ = ["batch", "chat", "tokens", "compute", "embed", "explain", "gather", "generate", "prefill", "prompt", "rerank",
            "search"]

@@ -12,11 +12,13 @@ block. The virtual vs physical cost LOTUS users asked for.
 
 from __future__ import annotations
 
-import contextvars
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-_active: contextvars.ContextVar[tuple[Usage, ...]] = contextvars.ContextVar("daskllm_usage", default=())
+# Process-wide, not per context: Dask may lower a graph on another thread than the caller's.
+_active: list[Usage] = []
+_lock = threading.Lock()
 
 
 @dataclass
@@ -64,17 +66,21 @@ class Usage:
 class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
     def __enter__(self) -> Usage:
         self.result = Usage()
-        self._token = _active.set((*_active.get(), self.result))
+        with _lock:
+            _active.append(self.result)
         return self.result
 
     def __exit__(self, *exc) -> None:
-        _active.reset(self._token)
+        with _lock:
+            _active.remove(self.result)
         self.result._add_records(_records(self.result.task_keys))
 
 
 def note_lowering(lowered) -> None:
     """Called by the optimizer: count the calls a lowered graph asks for."""
-    for u in _active.get():
+    with _lock:
+        active = list(_active)
+    for u in active:
         for op, n in lowered.report.get("requested", {}).items():
             u.requested[op] += n
         for op, n in lowered.report.get("tasks", {}).items():

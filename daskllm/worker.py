@@ -227,6 +227,12 @@ def engine_stats(dask_worker=None, kind: str = "llm") -> dict[str, dict]:
     return {name: e.stats().as_dict() for name, e in plugin.engines.get(kind, {}).items()}
 
 
+def reset_prefix_caches(dask_worker=None) -> int:
+    """Drop every cached prefix no running request uses; ``client.run(reset_prefix_caches)``."""
+    plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME) if dask_worker is not None else host()
+    return sum(bool(e.reset_prefix_cache()) for e in plugin.engines.get("llm", {}).values()) if plugin else 0
+
+
 def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
     """Which models of one kind each worker of ``client``'s cluster holds right now."""
 

@@ -168,6 +168,14 @@ class BlockManager:
             else:
                 self._empty.append(block_id)
 
+    def reset(self) -> bool:
+        """Forget every cached prefix not in use; True if nothing cached remains."""
+        while self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._forget(self.blocks[block_id])
+            self._empty.append(block_id)
+        return not self.hash_to_block and not self.partials
+
     def hold(self, block_id: int) -> None:
         """Take a reference to a resident block (it cannot be evicted until released)."""
         self._acquire(block_id)

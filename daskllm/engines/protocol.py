@@ -169,4 +169,7 @@ class Engine(Protocol):
 
     def cache_state(self) -> CacheState: ...
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes no request uses (for cold-start measurements)."""
+
     def close(self) -> None: ...

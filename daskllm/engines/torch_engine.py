@@ -214,6 +214,11 @@ class TorchEngine:
             return CacheState(self.name, self.block_size, self._blocks.num_blocks, self._blocks.num_used,
                               self._blocks.resident_hashes())
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix that no request is using (vLLM has the same call)."""
+        with self._state:
+            return self._blocks.reset()
+
     def close(self) -> None:
         with self._wakeup:
             self._closed = True

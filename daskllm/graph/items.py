@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from daskllm.graph.nodes import Node, stable_hash
-from daskllm.graph.prompt import Slot, Text, render_chat, render_value, tokenizer_for
+from daskllm.graph.prompt import Slot, Text, Tokens, render_chat, render_value, tokenizer_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +60,12 @@ def hashes(graph: nx.DiGraph, node: Node) -> list[str]:
         elif node.op in ("delayed", "persisted"):
             data["hashes"] = [stable_hash(node.op, node.key, i) for i in range(node.n)]
         else:
-            salt = stable_hash(node.op, node.params_for_hash(), node.hash if node.params.get("nonce") else "")
-            data["hashes"] = [stable_hash(salt, [_hash_of(graph, p) for p in _flat(item)])
-                              for item in items(graph, node)]
+            salt = stable_hash(node.op, node.params_for_hash())
+            # A sampled call without a seed is unique: never merged, not even with its twin in a batch.
+            unique = node.params.get("nonce")
+            data["hashes"] = [stable_hash(salt, [_hash_of(graph, p) for p in _flat(item)],
+                                          (node.hash, i) if unique else None)
+                              for i, item in enumerate(items(graph, node))]
     return data["hashes"]
 
 
@@ -81,6 +84,9 @@ def prompt_parts(graph: nx.DiGraph, node: Node, i: int) -> list:
     parts: list = []
     static: list[int] = list(tok.prefix_ids)
     for seg in segments:
+        if isinstance(seg, Tokens):
+            static += seg.ids
+            continue
         value = seg.text if isinstance(seg, Text) else _input(graph, node, seg.name, i)
         if isinstance(value, Dyn):
             if static:
@@ -110,7 +116,10 @@ def _resolve(graph: nx.DiGraph, node: Node) -> list:
         return [[_input(graph, node, "query", i)] for i in range(n)]
     if node.op == "rerank":
         return [[_input(graph, node, "query", i), _input(graph, node, "docs", i)] for i in range(n)]
-    return [[Dyn(node, i)] for i in range(n)]
+    if node.op == "gather":
+        source = node.inputs["items"]
+        return [[Dyn(source, j) for j in range(source.n)]]
+    raise ValueError(f"{node.label}: no items for op {node.op!r}")
 
 
 def static_prefix(item: list) -> tuple[int, ...]:

@@ -62,13 +62,19 @@ def plan(outputs: list[Node]) -> nx.DiGraph:
         for producer in node.inputs.values():
             graph.add_edge(producer, node)
             stack.append(producer)
-    if not nx.is_directed_acyclic_graph(graph):
-        cycle = nx.find_cycle(graph)
-        raise ValueError(f"the graph has a cycle through {cycle[0][0].label}")
+    _check_acyclic(graph)
     passes = list(config.get("rewrite.passes"))
     if not config.get("rewrite.result-cache"):
         passes = [p for p in passes if p != "cache"]
-    return PassManager(passes).run(graph)
+    graph = PassManager(passes).run(graph)
+    _check_acyclic(graph)  # a user pass may have added edges
+    return graph
+
+
+def _check_acyclic(graph: nx.DiGraph) -> None:
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise ValueError(f"the graph has a cycle through {cycle[0][0].label}")
 
 
 _cache_lock = threading.Lock()
@@ -131,6 +137,7 @@ class _Lowering:
         self.counts: dict[str, int] = defaultdict(int)
         self.requested: dict[str, int] = defaultdict(int)
         self.extra_graphs: list[HighLevelGraph] = []
+        self.static_prompts: set[tuple[str, tuple[int, ...]]] = set()
 
     def run(self) -> Lowered:
         for node in nx.topological_sort(self.g):
@@ -147,20 +154,16 @@ class _Lowering:
         for op, mapping in self.layers.items():
             layer_of.update(dict.fromkeys(mapping, names[op]))
         for op, mapping in self.layers.items():
-            annotations = {"daskllm": self._annotation}
+            # Plain dict lookups: annotations travel to the scheduler with the graph.
+            annotations = {"daskllm": self.annotations.get}
             if op == "search":
-                annotations.update(workers=self._workers, allow_other_workers=False)
+                annotations.update(workers=self.pinned.get, allow_other_workers=False)
             layers[names[op]] = MaterializedLayer(mapping, annotations)
             deps[names[op]] = {layer_of[d] for task in mapping.values() for d in task.dependencies} - {names[op]}
         self.report.update(tasks=dict(self.counts), requested=dict(self.requested),
-                           applied=list(self.g.graph.get("applied", [])))
+                           applied=list(self.g.graph.get("applied", [])),
+                           prefill_lower_bound=prefill_lower_bound(self.static_prompts))
         return Lowered(HighLevelGraph(layers, deps), self.g, self.report)
-
-    def _annotation(self, key):
-        return self.annotations.get(key)
-
-    def _workers(self, key):
-        return self.pinned.get(key)
 
     def _add(self, op: str, key: str, task, annotation: dict | None = None) -> None:
         self.layers[op][key] = task
@@ -219,6 +222,11 @@ class _Lowering:
                 todo.append(i)
         return todo, item_hashes
 
+    def _shard_token(self, node: Node, item_hashes: list[str], shard: list[int], *extra) -> str:
+        """A task key token: the calls it makes; without CSE also where they are, so repeats stay apart."""
+        where = None if self.dedupe else (node.hash, shard)
+        return stable_hash([item_hashes[i] for i in shard], where, *extra)
+
     def _place(self, node: Node, item_hashes: list[str], shard: list[int], key: str) -> None:
         for pos, i in enumerate(shard):
             self.loc[node][i] = (key, pos)
@@ -271,9 +279,10 @@ class _Lowering:
         model, sampling = node.params["model"], node.params["sampling"]
         todo, item_hashes = self._plan_items(node)
         all_items = items(self.g, node)
+        self.static_prompts.update((model, item[0]) for item in all_items if len(item) == 1 and isinstance(item[0], tuple))
         prefills = self.g.nodes[node].get("prefill") or [None] * node.n
         for shard in self._shards(node, todo):
-            key = f"decode-{stable_hash([item_hashes[i] for i in shard])}"
+            key = f"decode-{self._shard_token(node, item_hashes, shard)}"
             resolved, deps = self._deps_for([all_items[i] for i in shard])
             pre_keys = {self.loc[prefills[i]][0][0] for i in shard if prefills[i] is not None}
             deps += [TaskRef(k) for k in sorted(pre_keys)]
@@ -297,7 +306,7 @@ class _Lowering:
         todo, item_hashes = self._plan_items(node)
         all_items = items(self.g, node)
         for shard in self._shards(node, todo):
-            key = f"{op}-{stable_hash([item_hashes[i] for i in shard])}"
+            key = f"{op}-{self._shard_token(node, item_hashes, shard)}"
             resolved, deps = self._deps_for([all_items[i] for i in shard])
             args = [r[0] if len(r) == 1 else tuple(r) for r in resolved]
             self._add(op, key, Task(key, fn, key, *params, args, *deps),
@@ -316,7 +325,7 @@ class _Lowering:
         todo, item_hashes = self._plan_items(node)
         all_items = items(self.g, node)
         for shard in self._shards(node, todo):
-            token = stable_hash(index.fingerprint, k, [item_hashes[i] for i in shard])
+            token = self._shard_token(node, item_hashes, shard, index.fingerprint, k)
             resolved, deps = self._deps_for([all_items[i] for i in shard])
             args = [r[0] for r in resolved]
             shard_keys = []
@@ -345,6 +354,20 @@ class _Lowering:
                 self._add("output", key, Task(key, tasks.assemble, (spec[0][0],), *deps))
         if cacheable(node):
             _pending_results[key] = (hashes(self.g, node), node.batched)
+
+
+def prefill_lower_bound(prompts) -> int:
+    """Distinct tokens in the prefix tree of all prompts (per model): no run can prefill fewer."""
+    total, previous = 0, None
+    for model, tokens in sorted(prompts):
+        if previous is not None and previous[0] == model:
+            shared = next((j for j, (a, b) in enumerate(zip(previous[1], tokens)) if a != b),
+                          min(len(previous[1]), len(tokens)))
+        else:
+            shared = 0
+        total += len(tokens) - shared
+        previous = (model, tokens)
+    return total
 
 
 # Output key -> item hashes, so results can be remembered when they come back.

@@ -150,10 +150,12 @@ class Node(DaskMethodsMixin):
     __dask_scheduler__ = staticmethod(dask.threaded.get)
 
     def compute(self, **kwargs):
-        from daskllm.graph.lower import overrides
+        from daskllm.graph.lower import overrides, remember
 
         with overrides(kwargs):
-            return super().compute(**kwargs)
+            value = super().compute(**kwargs)
+        remember(self.key, value)  # here, on the client: Dask may finalize on a worker
+        return value
 
     def persist(self, **kwargs):
         from daskllm.graph.lower import overrides
@@ -165,7 +167,7 @@ class Node(DaskMethodsMixin):
 def _finalize(results, key):
     from daskllm.graph.lower import remember
 
-    remember(key, results[0])
+    remember(key, results[0])  # computing locally; on a cluster this runs on a worker and does nothing
     return results[0]
 
 
@@ -178,7 +180,8 @@ def _persisted(dsk, key, width):
 def _template_key(template):
     if template is None:
         return None
-    return tuple((type(s).__name__, getattr(s, "text", None) or getattr(s, "name", None)) for s in template)
+    return tuple((type(s).__name__, getattr(s, "text", None) or getattr(s, "name", None) or getattr(s, "ids", None),
+                  getattr(s, "model", None)) for s in template)
 
 
 def _template_key_chat(chat):

@@ -30,7 +30,38 @@ class Slot:
     name: str
 
 
-Segment = Text | Slot
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Token ids made by ``model``'s tokenizer: only meaningful to models sharing it."""
+
+    ids: tuple[int, ...]
+    model: str
+
+
+Segment = Text | Slot | Tokens
+
+
+def tokens(ids, model: str) -> Prompt:
+    """A prompt part given as token ids (from ``model``'s tokenizer)."""
+    ids = tuple(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError("tokens() takes non-negative int token ids")
+    return Prompt((Tokens(ids, model),), {})
+
+
+@functools.cache
+def tokenizer_fingerprint(model: str) -> str:
+    """Two models can share token ids only if this matches."""
+    import hashlib
+
+    from daskllm.models import resolve
+
+    path = resolve(model)
+    files = [path / n for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt") if (path / n).exists()]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest() if files else str(path)
 
 
 @dataclass(frozen=True)
@@ -106,7 +137,7 @@ def chat(messages: list[dict], **values) -> Prompt:
 def _merge_text(segments: list[Segment]) -> list[Segment]:
     out: list[Segment] = []
     for s in segments:
-        if isinstance(s, Text) and out and isinstance(out[-1], Text):
+        if isinstance(s, Text) and out and type(out[-1]) is Text:
             out[-1] = Text(out[-1].text + s.text)
         elif not (isinstance(s, Text) and not s.text):
             out.append(s)

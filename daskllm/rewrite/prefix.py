@@ -1,14 +1,18 @@
 """Shared-prefix prefill (Helium's templated radix tree, Teola's partial prefill).
 
 The static prefixes of all calls to one model go into a radix tree over cache blocks. For
-each group of calls whose longest shared prefix is at least ``prefix-min-tokens`` long,
-one ``prefill`` node computes that prefix once; the calls' decodes depend on it, so they
-find it in the engine's cache. A call whose prompt still waits for upstream outputs
-(retrieval, another generation) gets its known prefix prefilled early, in parallel with
-that upstream work: only a true prefix, since attention is causal.
+each group of fully known prompts whose longest shared prefix is at least
+``prefix-min-tokens`` long, one ``prefill`` node computes that prefix once; the calls'
+decodes depend on it, so they find it in the engine's cache. A call whose prompt still
+waits for upstream outputs (retrieval, another generation) gets everything it already
+knows prefilled early, in parallel with that upstream work: only a true prefix, since
+attention is causal. Shared parts of those prefixes are computed once by the engine's
+prefix cache.
 """
 
 from __future__ import annotations
+
+import os
 
 import networkx as nx
 
@@ -20,27 +24,33 @@ from daskllm.graph.nodes import Node
 class _Trie:
     """A radix tree over fixed-size token blocks, counting the calls through each node."""
 
-    __slots__ = ("children", "count")
+    __slots__ = ("children", "count", "members")
 
     def __init__(self):
         self.children: dict[tuple[int, ...], _Trie] = {}
         self.count = 0
+        self.members: list[tuple[int, ...]] = []  # the distinct prefixes through this node
 
-    def insert(self, blocks: list[tuple[int, ...]], calls: int = 1) -> None:
+    def insert(self, prefix: tuple[int, ...], blocks: list[tuple[int, ...]], calls: int = 1) -> None:
         node = self
         for block in blocks:
             node = node.children.setdefault(block, _Trie())
             node.count += calls
+            node.members.append(prefix)
 
-    def shared_depth(self, blocks: list[tuple[int, ...]]) -> int:
-        """How many leading blocks this sequence shares with at least one other call."""
-        node, depth = self, 0
+    def shared(self, blocks: list[tuple[int, ...]]) -> tuple[int, _Trie | None]:
+        """The deepest node this sequence shares with at least one other call, and its depth."""
+        node, depth, found = self, 0, None
         for block in blocks:
             node = node.children[block]
             if node.count < 2:
                 break
-            depth += 1
-        return depth
+            depth, found = depth + 1, node
+        return depth, found
+
+    def common_prefix(self) -> tuple[int, ...]:
+        """The token-level common prefix of every call through this node (at least its blocks)."""
+        return tuple(os.path.commonprefix(self.members))
 
 
 def _blocks(tokens: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
@@ -76,14 +86,17 @@ class SharedPrefixPrefill:
         for model, by_prefix in calls.items():
             trie = _Trie()
             for prefix, group in by_prefix.items():
-                trie.insert(_blocks(prefix, block), len(group))
+                trie.insert(prefix, _blocks(prefix, block), len(group))
             for prefix, group in by_prefix.items():
-                depth = trie.shared_depth(_blocks(prefix, block))
+                depth, shared_node = trie.shared(_blocks(prefix, block))
                 for node, i, static in group:
-                    if depth * block >= threshold:
-                        tokens, kind = prefix[:depth * block], "shared"
-                    elif not static and len(prefix) >= threshold:
-                        tokens, kind = prefix[:len(prefix) - len(prefix) % block], "partial"  # whole blocks
+                    if not static and len(prefix) >= threshold:
+                        # Waits for upstream output: prefill all it knows now (this covers
+                        # any shared part too; the engine reuses that across calls).
+                        tokens, kind = prefix, "partial"
+                    elif depth * block >= threshold:
+                        # Down to the token (a partly filled last block is cached too).
+                        tokens, kind = shared_node.common_prefix(), "shared"
                     else:
                         continue
                     key = (model, tokens)

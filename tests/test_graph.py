@@ -1,0 +1,235 @@
+"""The LLM task graph: builders, rewrite passes, lowering, exactness, usage, on a multi-process cluster."""
+
+from __future__ import annotations
+
+import shutil
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, get_task_stream
+
+import daskllm
+from daskllm.cluster import LocalLLMCluster
+from daskllm.graph.lower import lowered, plan
+from daskllm.rewrite.cache import RESULTS
+from daskllm.retrieval import ShardedIndex
+from daskllm.worker import reset_prefix_caches
+
+SYSTEM_A = ("You are a senior Python engineer. Answer questions about the standard library in one sentence, "
+            "naming the module and the function to use, and one pitfall a newcomer is likely to hit. ") * 2
+SYSTEM_B = ("You are a strict code reviewer. For each question, say whether the approach is idiomatic and "
+            "why, in at most two sentences, citing the relevant PEP when there is one. ") * 2
+QUESTIONS = [f"How would I {verb} a {noun} with the standard library, variant {i}?"
+             for i, (verb, noun) in enumerate([("parse", "date"), ("read", "CSV file"), ("hash", "file"),
+                                               ("zip", "folder"), ("walk", "directory tree"), ("time", "function"),
+                                               ("sort", "list of dicts"), ("merge", "sorted iterables")])]
+NAIVE = {"passes": [], "granularity": "query", "result_cache": False}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir, stdlib_corpus):
+    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=6, dashboard_address=":0",
+                         engine_options={"kv_cache_tokens": 8192}) as cluster, Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def fresh_result_cache():
+    RESULTS.clear()
+    yield
+    RESULTS.clear()
+
+
+def chain_and_fan(questions):
+    """Shared prefixes, fan-out (two prompts per question), a chain, and fan-in (one summary of all)."""
+    first = daskllm.generate(daskllm.prompt(SYSTEM_A + "Question: {q}\nAnswer:", q=questions), max_tokens=6)
+    review = daskllm.generate(daskllm.prompt(SYSTEM_B + "Question: {q}\nAnswer: {a}\nReview:", q=questions, a=first),
+                              max_tokens=6)
+    summary = daskllm.generate(daskllm.prompt("Summarize these reviews:\n{r}\nSummary:", r=daskllm.gather(review)),
+                               max_tokens=8)
+    return first, review, summary
+
+
+def test_optimized_and_naive_runs_return_identical_tokens(client):
+    nodes = chain_and_fan(QUESTIONS + QUESTIONS[:3])  # with duplicates
+    optimized = daskllm.compute(*nodes)
+    naive = daskllm.compute(*nodes, **NAIVE)
+    assert optimized == naive
+    first, review, summary = optimized
+    assert len(first) == len(review) == len(QUESTIONS) + 3 and isinstance(summary, str)
+    assert first[:3] == first[-3:]  # duplicate calls, same answers
+
+
+def test_visualize_shows_the_lowered_task_types(tmp_path):
+    if shutil.which("dot") is None:
+        pytest.skip("dask.visualize needs Graphviz's `dot` (Debian package graphviz; .ci/run installs it)")
+    node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:3]), max_tokens=4)
+    dask.visualize(node, filename=str(tmp_path / "graph.svg"), optimize_graph=True)
+    svg = (tmp_path / "graph.svg").read_text()
+    assert ">decode" in svg and ">prefill" in svg  # the lowered task types, not one opaque node
+
+
+def test_the_collection_protocol(client):
+    node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:3]), max_tokens=4)
+    expected = node.compute()
+    assert dask.compute(node)[0] == expected
+    assert client.compute(node).result() == expected
+    persisted = dask.persist(node)[0]
+    assert persisted.compute() == expected
+    downstream = daskllm.generate(daskllm.prompt("Rewrite: {x}", x=persisted), max_tokens=3)
+    assert len(downstream.compute()) == 3
+
+    @dask.delayed
+    def shout(texts):
+        return [t.upper() for t in texts]
+
+    assert shout(node).compute() == [t.upper() for t in expected]  # a delayed function takes a node
+    topic = dask.delayed(str.lower)("JSON FILES")  # a node takes a delayed value
+    scalar = daskllm.generate(daskllm.prompt("Topic: ", topic, "\nSummary:"), max_tokens=4)
+    literal = daskllm.generate(daskllm.prompt("Topic: {t}\nSummary:", t="json files"), max_tokens=4)
+    assert scalar.compute() == literal.compute()
+
+
+def test_cse_merges_exactly_identical_deterministic_calls():
+    qs = QUESTIONS[:4] + QUESTIONS[:2]
+    greedy = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}", q=qs), max_tokens=4)
+    again = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}", q=qs[:2]), max_tokens=4)  # built separately
+    other_params = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}", q=qs[:2]), max_tokens=5)
+    seeded = daskllm.generate(daskllm.prompt("Q: {q}", q=[qs[0]] * 3), max_tokens=4, temperature=0.7, seed=1)
+    sampled = daskllm.generate(daskllm.prompt("Q: {q}", q=[qs[0]] * 3), max_tokens=4, temperature=0.7)
+    report = lowered([greedy, again, other_params, seeded, sampled]).report
+    # greedy: 4 distinct of 6 (+2 from `again`, all duplicates); other_params: 2 new; seeded: 1; sampled: 3
+    assert report["cse"] == {"calls": 6 + 2 + 2 + 3 + 3, "distinct": 4 + 2 + 1 + 3, "merged": 2 + 2 + 2}
+    assert report["tasks"]["decode"] >= 1
+    assert again.key != greedy.key and daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}", q=qs[:2]),
+                                                           max_tokens=4).key == again.key
+
+
+def test_prefill_work_is_near_the_lower_bound_with_passes_on(client):
+    questions = [q + " Please be specific about edge cases, error handling and performance." for q in QUESTIONS]
+    calls = [daskllm.generate(daskllm.prompt(system + "Question: {q}\nAnswer:", q=questions + questions[:4]),
+                              max_tokens=4) for system in (SYSTEM_A, SYSTEM_B)]
+    bound = lowered(calls).report["prefill_lower_bound"]
+    client.run(reset_prefix_caches)  # earlier tests used these system prompts: start cold
+    with daskllm.usage() as on:
+        optimized = daskllm.compute(*calls)
+    RESULTS.clear()
+    client.run(reset_prefix_caches)
+    with daskllm.usage() as off:
+        naive = daskllm.compute(*calls, **NAIVE)
+    assert optimized == naive
+    assert on.requested["generate"] == off.requested["generate"] == 2 * (len(QUESTIONS) + 4)
+    assert on.executed["generate"] == 2 * len(QUESTIONS)  # duplicates ran once
+    assert off.executed["generate"] == 2 * (len(QUESTIONS) + 4)
+    assert on.prefill_tokens_computed / bound <= 1.1
+    assert off.prefill_tokens_computed / bound > 1.5
+
+
+def test_partial_prefill_runs_beside_the_retrieval_it_waits_for(client, stdlib_corpus):
+    from daskllm.corpus import stdlib_docs
+
+    docs = stdlib_docs(limit=300)
+    index = ShardedIndex.from_texts(client, "graph-test", docs.doc.str.slice(0, 200).tolist())
+    try:
+        questions = ["How do I read a JSON document?", "How do I compile a regular expression?"]
+        context = daskllm.search(index, questions, k=2)
+        answer = daskllm.generate(daskllm.prompt(SYSTEM_A + "Question: {q}\nContext: {ctx}\nAnswer:", q=questions,
+                                                 ctx=context), max_tokens=4)
+        report = lowered([answer]).report
+        assert report["prefix"]["partial"] >= 1
+        with get_task_stream(client) as stream:
+            optimized = answer.compute()
+        starts = {t["key"]: t["startstops"][0]["start"] for t in stream.data}
+        ends = {t["key"]: t["startstops"][-1]["stop"] for t in stream.data}
+        prefill_start = min(v for k, v in starts.items() if k.startswith("prefill-"))
+        retrieval_end = max(v for k, v in ends.items() if k.startswith(("search-", "embed-")))
+        assert prefill_start < retrieval_end
+        assert optimized == daskllm.compute(answer, **NAIVE)[0]
+    finally:
+        index.drop()
+
+
+def test_granularity_bounds_task_counts():
+    node = [f"question {i}" for i in range(2000)]
+    for step in range(3):
+        node = daskllm.generate(daskllm.prompt(f"Step {step}, refine: {{x}}", x=node), max_tokens=2)
+    sharded = lowered([node]).report["tasks"]
+    assert sharded["decode"] == 3 * -(-2000 // 32)  # (operator, query shard) tasks
+    with dask.config.set({"daskllm.rewrite.granularity": "query"}):
+        per_query = lowered([node]).report["tasks"]
+    assert per_query["decode"] == 3 * 2000
+    with dask.config.set({"daskllm.rewrite.passes": ["cse"]}):
+        one_stage = lowered([node]).report["tasks"]
+    assert one_stage["decode"] == 3
+
+
+def test_usage_and_the_result_cache(client):
+    node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:4]), max_tokens=5)
+    with daskllm.usage() as first:
+        a = node.compute()
+    with daskllm.usage() as second:
+        b = node.compute()
+    assert a == b
+    assert first.executed["generate"] == 4 and first.decode_tokens > 0
+    assert second.requested["generate"] == 4 and second.executed.get("generate", 0) == 0
+    assert daskllm.compute(node, result_cache=False)[0] == a
+
+
+def test_embed_search_rerank_nodes(client):
+    docs = ["json.load reads JSON from a file", "csv.reader reads CSV rows", "re.compile builds a regex"]
+    index = ShardedIndex.from_texts(client, "graph-small", docs)
+    try:
+        hits = daskllm.search(index, ["read a JSON file", "regular expression"], k=2).compute()
+        assert [h[0].text for h in hits] == [docs[0], docs[2]]
+        best = daskllm.rerank("read a JSON file", docs, k=1).compute()
+        assert best == [docs[0]]
+        vectors = daskllm.embed(["a", "b"]).compute()
+        assert np.asarray(vectors).shape == (2, 384)
+        chained = daskllm.rerank(["read a JSON file", "regex"], daskllm.search(index, ["read a JSON file", "regex"],
+                                                                                 k=3), k=1).compute()
+        assert chained == [[docs[0]], [docs[2]]]
+    finally:
+        index.drop()
+
+
+def test_explain_prints_the_plan(capsys):
+    node = chain_and_fan(QUESTIONS[:4] + QUESTIONS[:1])[2]
+    report = daskllm.explain(node)
+    out = capsys.readouterr().out
+    assert "passes applied: cse, cache, prune, prefix, stage" in out
+    assert "decode" in out and "calls merged" in out and "prefill tokens saved" in out
+    assert report["cse"]["merged"] == 2
+
+
+def test_bad_input_fails_at_build_time_naming_the_problem():
+    with pytest.raises(ValueError, match=r"prompt field \{missing\} has no value"):
+        daskllm.prompt("Hello {missing}")
+    with pytest.raises(ValueError, match="not deterministic and cannot be cached"):
+        daskllm.generate("x", temperature=0.9, cache=True)
+    with pytest.raises(ValueError, match="token ids from model"):
+        daskllm.generate(daskllm.tokens([1, 2, 3], model="all-MiniLM-L6-v2"), model="tiny")
+    with pytest.raises(ValueError, match="batched inputs have different sizes"):
+        daskllm.generate(daskllm.prompt("{a} {b}", a=["1", "2"], b=["1", "2", "3"]))
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        daskllm.generate("x", max_tokens=0)
+
+    class Cyclic:
+        name = "make-a-cycle"
+
+        def run(self, graph):
+            a, b = list(graph)[:2]
+            graph.add_edge(a, b)
+            graph.add_edge(b, a)
+            return graph
+
+    from daskllm.rewrite import REGISTRY, register_pass
+
+    register_pass("make-a-cycle", Cyclic)
+    try:
+        node = daskllm.generate(daskllm.prompt("Q: {q}", q=["a", "b"]))
+        with dask.config.set({"daskllm.rewrite.passes": ["make-a-cycle"]}), \
+                pytest.raises(ValueError, match="cycle through"):
+            plan([node])
+    finally:
+        REGISTRY.pop("make-a-cycle")
