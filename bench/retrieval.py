@@ -104,9 +104,8 @@ def machine_info() -> dict:
     import faiss
 
     cpu_model = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -315,6 +314,8 @@ def bench_sharded(args, client, corpus_vectors, ids, texts, query_vectors, queri
                                  "queries_per_s": queries_done / seconds})
             log(f"  search repetition {rep + 1}/{args.repeats} done")
         out["search_runs"] = runs
+        out["search_breakdown"] = search_breakdown(client, handles, vector_batches, args.k)
+        log(f"  breakdown: {out['search_breakdown']}")
         summary = {}
         for kind, mode in variants:
             row = {}
@@ -336,6 +337,30 @@ def bench_sharded(args, client, corpus_vectors, ids, texts, query_vectors, queri
     return out
 
 
+def search_breakdown(client, handles, batches, k) -> dict:
+    """One untimed pass of vector batches per shard count, under Dask's task stream: where a call's time goes."""
+    from distributed import get_task_stream
+
+    out = {}
+    for shards, index in handles.items():
+        calls = []
+        with get_task_stream(client) as stream:
+            for b in batches:
+                start = time.perf_counter()
+                index.search(b, k)
+                calls.append(time.perf_counter() - start)
+        spans: dict[tuple[str, str], list[float]] = {}
+        for task in stream.data:
+            name = str(task["key"]).split("-")[0]
+            for part in task["startstops"]:
+                spans.setdefault((name, part["action"]), []).append(part["stop"] - part["start"])
+        out[shards] = {"call_ms": 1000 * _median(calls),
+                       "search_shard_compute_ms": 1000 * _median(spans.get(("search_shard", "compute"), [])),
+                       "merge_transfer_ms": 1000 * _median(spans.get(("_merge", "transfer"), [0.0])),
+                       "merge_compute_ms": 1000 * _median(spans.get(("_merge", "compute"), []))}
+    return out
+
+
 # --- part 3: embedding throughput, Dask vs in-process -------------------------------------------------
 
 
@@ -346,6 +371,7 @@ def _stats(engine):
 
 TRIM = "MALLOC_TRIM_THRESHOLD_"
 EMBED_MODES = ("dask", "dask_no_trim", "in_process")
+EMBED_LABELS = {"dask": "Dask", "dask_no_trim": "no trim"}
 
 
 def bench_embed(args, clients: dict, engine, texts, log) -> dict:
@@ -398,7 +424,7 @@ def bench_embed(args, clients: dict, engine, texts, log) -> dict:
     for size in args.embed_batch_sizes:
         runs = [r for r in out["runs"] if r["batch"] == size]
 
-        def tps(rep, mode):
+        def tps(rep, mode, runs=runs):
             return next(r["texts_per_s"] for r in runs if (r["rep"], r["mode"]) == (rep, mode))
 
         row = {m: _median(r["texts_per_s"] for r in runs if r["mode"] == m) for m in modes}
@@ -425,12 +451,12 @@ def _worker_env(dask_worker=None) -> dict:
 def markdown(res: dict, args) -> str:
     q = res["quality"]
     n, rows = res["queries"], res["corpus"]["rows"]
-    lines = [f"1. Retrieval quality and speed: {rows:,} corpus rows, {n:,} queries "
-             f"(stdlib_questions({args.questions}, seed={args.seed}) first sentences), k={args.k}; "
-             f"latency: one query per call (median of {args.latency_queries} queries), throughput: all "
-             f"{n:,} queries in one call (median of {args.repeats})\n",
-             f"| index | settings | recall@1 | recall@5 | recall@{args.k} | recall@5 >= 0.8 | build | "
-             f"latency (median / p95) | throughput |",
+    lines = [(f"1. Retrieval quality and speed: {rows:,} corpus rows, {n:,} queries "
+              f"(stdlib_questions({args.questions}, seed={args.seed}) first sentences), k={args.k}; "
+              f"latency: one query per call (median of {args.latency_queries} queries), throughput: all "
+              f"{n:,} queries in one call (median of {args.repeats})\n"),
+             (f"| index | settings | recall@1 | recall@5 | recall@{args.k} | recall@5 >= 0.8 | build | "
+              f"latency (median / p95) | throughput |"),
              "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for kind, r in q["kinds"].items():
         c = r["config"]
@@ -454,13 +480,13 @@ def markdown(res: dict, args) -> str:
     lines.append("")
     e = res["sharded"]["exactness"]
     lines += [f"2. Sharded vs one flat index: identical top-{args.k} lists (ids, scores and texts)\n",
-              "| search | queries | identical / total | same ids |", "|---|---|---:|---:|",
-              f"| 2 shards on 2 workers | pre-embedded vectors | {e['2_shard_vectors']['identical']:,} / "
-              f"{e['2_shard_vectors']['total']:,} | {e['2_shard_vectors']['identical_ids']:,} |",
-              f"| 1 shard on 1 worker | pre-embedded vectors | {e['1_shard_vectors']['identical']:,} / "
-              f"{e['1_shard_vectors']['total']:,} | {e['1_shard_vectors']['identical_ids']:,} |",
-              f"| 2 shards on 2 workers | texts, embedded by a worker's engine | {e['2_shard_texts']['identical']:,} / "
-              f"{e['2_shard_texts']['total']:,} | {e['2_shard_texts']['identical_ids']:,} |", ""]
+              "| search | queries | identical / total | same ids |", "|---|---|---:|---:|"]
+    for key, (where, what) in {"2_shard_vectors": ("2 shards on 2 workers", "pre-embedded vectors"),
+                               "1_shard_vectors": ("1 shard on 1 worker", "pre-embedded vectors"),
+                               "2_shard_texts": ("2 shards on 2 workers", "texts, embedded by a worker's engine")}.items():
+        lines.append(f"| {where} | {what} | {e[key]['identical']:,} / {e[key]['total']:,} | "
+                     f"{e[key]['identical_ids']:,} |")
+    lines.append("")
     lines.append(f"Query embeddings computed on a worker ({_threads(res['sharded']['workers'])}) that are "
                  f"bit-identical to the in-process engine's ({res['machine']['torch_threads']} torch threads): "
                  f"{e['2_shard_texts']['worker_embeddings_bit_identical']:,} / {e['2_shard_texts']['total']:,}.")
@@ -484,7 +510,8 @@ def markdown(res: dict, args) -> str:
     if trim:
         head += " in-process / Dask no trim |"
         align += "---:|"
-    head += " mean engine batch | bit-identical |"
+    head += f" mean engine batch ({' / '.join(EMBED_LABELS[m] for m in EMBED_MODES if m in em['workers'])}" \
+            f" / in-process) | bit-identical |"
     align += "---:|---|"
     lines += [head, align]
     for size, r in em["summary"].items():
@@ -499,8 +526,8 @@ def markdown(res: dict, args) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     s = res["sharded"]["search_summary"]
-    lines += [f"4. Search throughput, 1 vs 2 shards ({rows:,} vectors, k={args.k}, {args.search_batch} queries per "
-              f"call; median of {args.repeats}; ratio: median of per-repetition ratios)\n",
+    lines += [(f"4. Search throughput, 1 vs 2 shards ({rows:,} vectors, k={args.k}, {args.search_batch} queries "
+               f"per call; median of {args.repeats}; ratio: median of per-repetition ratios)\n"),
               "| queries | calls | 1 shard q/s | 2 shards q/s | 2 / 1 |", "|---|---|---:|---:|---:|"]
     labels = {"sequential": "one call at a time", "in_flight": "all calls in flight"}
     for key, r in s.items():
@@ -508,6 +535,13 @@ def markdown(res: dict, args) -> str:
         lines.append(f"| {r['queries']:,} {'pre-embedded vectors' if kind == 'vectors' else 'texts'} | {labels[mode]} "
                      f"| {r['1_shard_queries_per_s']:,.0f} | {r['2_shard_queries_per_s']:,.0f} | "
                      f"{r['ratio_2_over_1']:.2f}x |")
+    bd = res["sharded"]["search_breakdown"]
+    lines.append("")
+    lines.append(f"Where a call of {args.search_batch} pre-embedded vectors goes (one untimed pass under Dask's task "
+                 f"stream, medians): " + "; ".join(
+                     f"{shards} shard{'s' if int(shards) > 1 else ''}: {b['call_ms']:.1f} ms per call, search task "
+                     f"{b['search_shard_compute_ms']:.1f} ms, merge input transfer {b['merge_transfer_ms']:.1f} ms"
+                     for shards, b in bd.items()) + ".")
     c = res["corpus"]
     lines.append("")
     lines.append(f"Corpus embedding (in-process, {res['machine']['torch_threads']} torch threads, "

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Mapping
 
 from distributed import LocalCluster
 
+from daskllm import config
+
 from daskllm.engines import EngineSpec
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
 from daskllm.worker import EngineHost, default_num_threads
@@ -44,7 +46,9 @@ class LocalLLMCluster(LocalCluster):
     ``models`` (LLMs), ``embedders`` and ``rerankers`` are recipe or packaged model names
     (``"tiny"``, ``"small"``, ``"all-MiniLM-L6-v2"``), local Hugging Face model directories,
     dicts or :class:`~daskllm.engines.EngineSpec` objects. By default every worker also holds
-    the MiniLM embedder and a bi-encoder reranker sharing its weights. Every model is
+    the MiniLM embedder and a bi-encoder reranker sharing its weights. The scheduler runs the
+    :class:`~daskllm.placement.PlacementPlugin` with ``placement`` (a policy name; default
+    from ``daskllm.placement.policy``). Every model is
     resolved (and built, for a recipe, once) before any worker starts, so a bad name fails
     here with a clear error rather than in every worker.
     """
@@ -53,9 +57,12 @@ class LocalLLMCluster(LocalCluster):
                  embedders: Iterable[str | Mapping | EngineSpec] = (DEFAULT_EMBEDDING_MODEL,),
                  rerankers: Iterable[str | Mapping | EngineSpec] = (DEFAULT_EMBEDDING_MODEL,),
                  n_workers: int | None = None, threads_per_worker: int = 4,
-                 gpus: Iterable[str] | str | None = "auto", engine_options: Mapping | None = None, **kwargs):
+                 gpus: Iterable[str] | str | None = "auto", engine_options: Mapping | None = None,
+                 placement: str | None = None, **kwargs):
         from daskllm.models import resolve
+        from daskllm.placement import PlacementPlugin
 
+        placement = placement or config.get("placement.policy")
         self.engine_specs = ([EngineSpec.parse(m, "llm") for m in models]
                              + [EngineSpec.parse(m, "embed") for m in embedders]
                              + [EngineSpec.parse(m, "rerank") for m in rerankers])
@@ -75,7 +82,10 @@ class LocalLLMCluster(LocalCluster):
         # let concurrent tasks feed one batch.
         # Start with no workers, then scale: LocalCluster's own start-up bypasses
         # new_worker_spec, which is where each GPU worker gets its device.
-        super().__init__(n_workers=0, threads_per_worker=threads_per_worker,
+        scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
+        if placement != "off":
+            scheduler_kwargs.setdefault("plugins", [PlacementPlugin(placement)])
+        super().__init__(n_workers=0, threads_per_worker=threads_per_worker, scheduler_kwargs=scheduler_kwargs,
                          plugins={EngineHost(self.engine_specs, **defaults)}, **kwargs)
         self.scale(n_workers)
         if not self.asynchronous:

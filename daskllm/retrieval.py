@@ -31,7 +31,7 @@ INGEST_CHUNK = 512  # texts per ingest task: bounded memory, visible progress, c
 
 def embed(model: str, texts: Sequence[str]) -> np.ndarray:
     """Task: ``[len(texts), dim]`` unit vectors from this worker's embed engine."""
-    return get_engine(model, "embed").embed(list(texts))
+    return get_engine(model, "embed").embed([texts] if isinstance(texts, str) else list(texts))
 
 
 def rerank(model: str, query: str, docs: Sequence[str], k: int | None = None) -> list[tuple[int, float]]:

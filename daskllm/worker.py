@@ -14,6 +14,7 @@ the scheduler) and with a ``daskllm`` event when its engines come up.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
@@ -86,6 +87,10 @@ class EngineHost(WorkerPlugin):
                         for kind, engines in self.engines.items()},
             "indexes": {name: {str(shard): index.ntotal for shard, index in shards.items()}
                         for name, shards in self.indexes.items()},
+            # Resident prefix blocks, as the hex hashes task annotations use: the placement
+            # plugin's shadow of this worker's caches.
+            "cache": {name: [format(h, "x") for h in itertools.islice(e.cache_state().resident_hashes, 16384)]
+                      for name, e in self.engines.get("llm", {}).items() if hasattr(e, "cache_state")},
         }
 
 

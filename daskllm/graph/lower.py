@@ -138,6 +138,7 @@ class _Lowering:
         self.requested: dict[str, int] = defaultdict(int)
         self.extra_graphs: list[HighLevelGraph] = []
         self.static_prompts: set[tuple[str, tuple[int, ...]]] = set()
+        self.replicas: dict[str, int] = {}
 
     def run(self) -> Lowered:
         for node in nx.topological_sort(self.g):
@@ -261,19 +262,33 @@ class _Lowering:
         self.loc[node] = [(key, None)]
 
     def _lower_prefill(self, node: Node) -> None:
+        if "tokens" in node.params:  # made by the prefix pass: its replicas are made as consumers ask
+            self.loc[node] = [None]
+            return
         model = node.params["model"]
-        if "tokens" in node.params:
-            parts_list = [[node.params["tokens"]]]
-        else:
-            parts_list = items(self.g, node)
         self.loc[node] = []
-        for i, parts in enumerate(parts_list):
-            key = f"prefill-{stable_hash(model, hashes(self.g, node)[i] if 'tokens' not in node.params else parts)}"
+        for i, parts in enumerate(items(self.g, node)):
+            key = f"prefill-{hashes(self.g, node)[i]}"
             resolved, deps = self._deps_for([parts])
-            tokens = static_prefix(parts)
             self._add("prefill", key, Task(key, tasks.run_prefill, key, model, resolved[0], *deps),
-                      self._llm_annotation("prefill", model, [tokens], 0, 1))
+                      self._llm_annotation("prefill", model, [static_prefix(parts)], 0, 1))
             self.loc[node].append((key, None))
+
+    def _prefill_replica(self, pre: Node, shard_number: int) -> str:
+        """The key of the prefill copy that decode shard ``shard_number`` waits for."""
+        model, tokens = pre.params["model"], pre.params["tokens"]
+        replica = shard_number % self._replicas(model)
+        key = f"prefill-{stable_hash(model, tokens)}-r{replica}"
+        if key not in self.layers["prefill"]:
+            self._add("prefill", key, Task(key, tasks.run_prefill, key, model, [tokens]),
+                      self._llm_annotation("prefill", model, [tokens], 0, 1))
+        return key
+
+    def _replicas(self, model: str) -> int:
+        if model not in self.replicas:
+            setting = config.get("rewrite.prefill-replicas")
+            self.replicas[model] = max(1, int(setting)) if setting != "auto" else _workers_holding(model)
+        return self.replicas[model]
 
     def _lower_generate(self, node: Node) -> None:
         model, sampling = node.params["model"], node.params["sampling"]
@@ -281,10 +296,11 @@ class _Lowering:
         all_items = items(self.g, node)
         self.static_prompts.update((model, item[0]) for item in all_items if len(item) == 1 and isinstance(item[0], tuple))
         prefills = self.g.nodes[node].get("prefill") or [None] * node.n
-        for shard in self._shards(node, todo):
+        for number, shard in enumerate(self._shards(node, todo)):
             key = f"decode-{self._shard_token(node, item_hashes, shard)}"
             resolved, deps = self._deps_for([all_items[i] for i in shard])
-            pre_keys = {self.loc[prefills[i]][0][0] for i in shard if prefills[i] is not None}
+            pre_keys = {self._prefill_replica(prefills[i], number) if self.loc[prefills[i]] == [None]
+                        else self.loc[prefills[i]][0][0] for i in shard if prefills[i] is not None}
             deps += [TaskRef(k) for k in sorted(pre_keys)]
             prefixes = [static_prefix(all_items[i]) for i in shard]
             self._add("decode", key, Task(key, tasks.run_decode, key, model, sampling, resolved, *deps),
@@ -354,6 +370,25 @@ class _Lowering:
                 self._add("output", key, Task(key, tasks.assemble, (spec[0][0],), *deps))
         if cacheable(node):
             _pending_results[key] = (hashes(self.g, node), node.batched)
+
+
+def _workers_holding(model: str) -> int:
+    """How many workers of the current cluster hold ``model`` (1 without a cluster)."""
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except ValueError:
+        return 1
+    if client.asynchronous:
+        return 1
+    try:
+        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    except TypeError:
+        workers = client.scheduler_info()["workers"].values()
+    holding = sum(model in ((w.get("metrics") or {}).get("daskllm") or {}).get("models", {}).get("llm", ())
+                  for w in workers)
+    return max(1, holding)
 
 
 def prefill_lower_bound(prompts) -> int:

@@ -1,0 +1,274 @@
+"""The scheduler plugin: places LLM tasks with model, cache and load locality.
+
+In ``update_graph`` (which runs before Dask places anything) :class:`PlacementPlugin` reads
+each task's ``daskllm`` annotation and decides its worker:
+
+* **model**: only workers holding the model (advertised in their heartbeat metrics and
+  ``daskllm`` events) are candidates; with none, the task fails with an error naming the
+  model instead of waiting forever.
+* **cache**: a shadow of each worker's prefix cache (block hash chains: what the workers
+  report, plus what this plugin has already sent there) gives the tokens a worker would
+  serve from cache; a decode goes where its prefill went.
+* **load**: each candidate scores ``cached tokens saved - load_weight x queued tokens``
+  (SGLang-router style); prefix affinity alone would pile one system prompt's calls onto
+  one engine. Prefills of a popular prefix are replicated at lowering and land on
+  different workers here, and their consumers spread with them (Halo's replication).
+* **order**: priorities run deeper tasks first and calls sharing a prefix back to back
+  (Teola's topology-aware batching), so a cached prefix is used before it is evicted.
+
+The chosen worker becomes a hard restriction, which also keeps work stealing from moving
+a task away from its cache; when a worker leaves, its tasks are re-placed (so no task is
+ever stranded). Policies for ablations: ``cache_aware`` (default), ``round_robin``,
+``least_loaded``, ``prefix_affinity`` and ``off`` (plain Dask). A fault in the plugin is
+logged to the ``daskllm-placement`` event topic and leaves those tasks to plain Dask.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter, defaultdict, deque
+
+from distributed import SchedulerPlugin
+
+from daskllm import config
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_affinity", "off")
+KIND_OF_OP = {"prefill": "llm", "decode": "llm", "embed": "embed", "rerank": "rerank"}
+EVENT_TOPIC = "daskllm-placement"
+
+
+class NoWorkerForModel(RuntimeError):
+    pass
+
+
+def _raise(message: str):
+    raise NoWorkerForModel(message)
+
+
+class PlacementPlugin(SchedulerPlugin):
+    name = "daskllm-placement"
+
+    def __init__(self, policy: str | None = None, load_weight: float | None = None, block_size: int | None = None):
+        self.policy = policy or config.get("placement.policy")
+        if self.policy not in POLICIES:
+            raise ValueError(f"placement policy must be one of {POLICIES}, got {self.policy!r}")
+        self.load_weight = float(load_weight if load_weight is not None else config.get("placement.load-weight"))
+        self.block_size = int(block_size or config.get("engine.block-size"))
+        # The shadow of each worker's prefix cache: what it last reported, plus the prefixes of
+        # tasks placed there that have not finished (so not yet in a report).
+        self.reported: dict[str, dict[str, set[str]]] = defaultdict(dict)  # worker -> model -> hashes
+        self.inflight: dict[str, dict[str, Counter[str]]] = defaultdict(lambda: defaultdict(Counter))
+        self.queued: Counter[str] = Counter()  # worker -> tokens placed there and not finished
+        self.placed: dict = {}  # key -> (worker, tokens, model, prefix)
+        self.advertised: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # worker->kind->models
+        self.decisions: Counter[str] = Counter()  # why tasks went where they went (for the dashboard)
+        self.recent: deque = deque(maxlen=1000)  # the last decisions in detail
+        self._round_robin = itertools.count()
+        self.scheduler = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    # --- what workers hold ----------------------------------------------------------------
+
+    def log_event(self, topic, msg) -> None:
+        if topic == "daskllm" and isinstance(msg, dict) and msg.get("action") == "engines-loaded":
+            for kind, names in (msg.get("models") or {}).items():
+                self.advertised[msg["worker"]][kind] = set(names)
+
+    def _holders(self, scheduler, kind: str, model: str) -> list[str]:
+        from daskllm.models import model_name
+
+        model = model_name(model)  # a task may name a model by path; workers by name
+        out = []
+        for address, ws in scheduler.workers.items():
+            metrics = (ws.metrics or {}).get("daskllm") or {}
+            held = set((metrics.get("models") or {}).get(kind, ())) | self.advertised[address][kind]
+            if model in held:
+                out.append(address)
+        return sorted(out)
+
+    def _refresh_shadow(self, scheduler) -> None:
+        """Take in what workers report as resident (their last heartbeats): evictions included."""
+        for address, ws in scheduler.workers.items():
+            cache = ((ws.metrics or {}).get("daskllm") or {}).get("cache") or {}
+            self.reported[address] = {model: set(hashes) for model, hashes in cache.items()}
+
+    # --- the hook ------------------------------------------------------------------------------
+
+    def update_graph(self, scheduler, *, tasks=(), annotations=None, stimulus_id=None, **kwargs) -> None:
+        if self.policy == "off":
+            return
+        ours = (annotations or {}).get("daskllm") or {}
+        if not ours:
+            return
+        try:
+            self._refresh_shadow(scheduler)
+            self._place(scheduler, ours)
+        except Exception as exc:  # noqa: BLE001 - never take the scheduler down: plain Dask places these
+            logger.exception("daskllm placement failed")
+            scheduler.log_event(EVENT_TOPIC, {"action": "error", "error": repr(exc), "tasks": len(ours)})
+
+    def _place(self, scheduler, ours: dict) -> None:
+        tasks = {}
+        for key, ann in ours.items():
+            ts = scheduler.tasks.get(key)
+            if ts is None or ts.state not in ("released", "waiting"):
+                continue
+            if not _valid(ann):
+                scheduler.log_event(EVENT_TOPIC, {"action": "malformed-annotation", "key": str(key),
+                                                  "annotation": repr(ann)[:200]})
+                self.decisions["fallback"] += 1
+                continue
+            tasks[key] = ts
+        depth = _depths(tasks)
+        order = sorted(tasks, key=lambda k: (depth[k], tasks[k].priority))  # dependencies before dependents
+        for key in order:
+            if ours[key]["op"] in KIND_OF_OP:
+                self._place_one(scheduler, key, tasks[key], ours[key])
+        self._prioritize(tasks, ours, depth)
+
+    def _place_one(self, scheduler, key, ts, ann: dict) -> None:
+        kind, model = KIND_OF_OP[ann["op"]], ann["model"]
+        candidates = self._holders(scheduler, kind, model)
+        if not candidates:
+            from dask._task_spec import Task
+
+            message = f"no worker holds the {kind} model {model!r} (task {key})"
+            ts.run_spec = Task(key, _raise, message)
+            scheduler.log_event(EVENT_TOPIC, {"action": "no-worker-for-model", "key": str(key), "model": model})
+            self.decisions["no_model"] += 1
+            return
+        prefix = ann.get("prefix") or []
+        tokens = int(ann.get("prompt_tokens", 0)) + int(ann.get("max_tokens", 0))
+        worker, reason = self._choose(candidates, ann["op"], model, prefix, tokens, ts, int(ann.get("shard", 1)))
+        ts.worker_restrictions = {worker}
+        ts.loose_restrictions = False  # hard: stealing must not move it away; remove_worker re-places
+        self.placed[key] = (worker, tokens, model, prefix)
+        self.queued[worker] += tokens
+        self.inflight[worker][model].update(prefix)
+        self.decisions[reason] += 1
+        self.recent.append({"key": str(key), "op": ann["op"], "worker": worker, "reason": reason,
+                            "cached": {w: self._cached_tokens(w, model, prefix) for w in candidates},
+                            "queued": {w: self.queued[w] for w in candidates}})
+
+    def _choose(self, candidates: list[str], op: str, model: str, prefix: list[str], tokens: int, ts, calls: int):
+        if len(candidates) == 1:
+            return candidates[0], "model"
+        if self.policy == "round_robin":
+            return candidates[next(self._round_robin) % len(candidates)], "balance"
+        if self.policy == "least_loaded":
+            return min(candidates, key=lambda w: (self.queued[w], w)), "balance"
+        cached = {w: self._cached_tokens(w, model, prefix) for w in candidates}
+        if op == "prefill":
+            # Copies of one prefix go to different workers (their consumers spread with them);
+            # among the rest, where the prefix may already be (then it is nearly free), then load.
+            coming = {w: bool(prefix) and all(self.inflight[w][model][h] for h in prefix) for w in candidates}
+            reported = {w: self._reported_tokens(w, model, prefix) for w in candidates}
+            return min(candidates, key=lambda w: (coming[w], -reported[w], self.queued[w], w)), "balance"
+        # Every call of the shard reuses the prefix. Its own prefill's worker is credited with
+        # the whole prefix: elsewhere that prefill would be wasted, whatever a (possibly stale)
+        # report says.
+        saved = {w: calls * cached[w] for w in candidates}
+        prefill_workers = {self.placed[d.key][0] for d in ts.dependencies if d.key in self.placed
+                           and d.key.startswith("prefill-")}
+        whole = calls * len(prefix) * self.block_size
+        for w in prefill_workers & set(candidates):
+            saved[w] = max(saved[w], whole) + whole  # the prefix it will hold, and the prefill not wasted
+        deps = {w for d in ts.dependencies for w in (d.worker_restrictions or ())}
+        if self.policy == "prefix_affinity":
+            chosen = max(candidates, key=lambda w: (saved[w], w in deps, -self.queued[w]))
+        else:
+            chosen = max(candidates, key=lambda w: (saved[w] - self.load_weight * self.queued[w], w in deps,
+                                                    -self.queued[w]))
+        return chosen, "cache" if saved[chosen] else "balance"
+
+    def _reported_tokens(self, worker: str, model: str, prefix: list[str]) -> int:
+        reported = self.reported.get(worker, {}).get(model, ())
+        return next((i for i, h in enumerate(prefix) if h not in reported), len(prefix)) * self.block_size
+
+    def _cached_tokens(self, worker: str, model: str, prefix: list[str]) -> int:
+        reported = self.reported.get(worker, {}).get(model, ())
+        coming = self.inflight[worker][model]
+        n = 0
+        for h in prefix:
+            if h not in reported and not coming[h]:
+                break
+            n += 1
+        return n * self.block_size
+
+    def _prioritize(self, tasks: dict, ours: dict, depth: dict) -> None:
+        """Deeper tasks first; among equals, calls sharing a prefix back to back."""
+        if not tasks:
+            return
+        ranked = sorted(tasks, key=lambda k: (-depth[k], (ours[k].get("prefix") or [""])[0], tasks[k].priority))
+        for rank, key in enumerate(ranked):
+            ts = tasks[key]
+            ts.priority = (*ts.priority[:-1], rank) if ts.priority else (0, 0, rank)
+
+    # --- bookkeeping --------------------------------------------------------------------------
+
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        if finish in ("memory", "erred", "forgotten") and key in self.placed:
+            worker, tokens, model, prefix = self.placed.pop(key)
+            self.queued[worker] -= tokens
+            if self.queued[worker] <= 0:
+                del self.queued[worker]
+            coming = self.inflight[worker][model]
+            coming.subtract(prefix)
+            for h in prefix:
+                if coming[h] <= 0:
+                    del coming[h]
+
+    def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
+        """Re-place the tasks that were bound to a worker that left: no task is stranded."""
+        try:
+            self.reported.pop(worker, None)
+            self.inflight.pop(worker, None)
+            self.advertised.pop(worker, None)
+            self.queued.pop(worker, None)
+            moved, runnable = 0, {}
+            for ts in list(scheduler.tasks.values()):
+                if ts.worker_restrictions == {worker} and ts.state in ("waiting", "no-worker", "released"):
+                    self.placed.pop(ts.key, None)
+                    others = [w for w in scheduler.workers if w != worker]
+                    ts.worker_restrictions = None
+                    ts.loose_restrictions = False
+                    if others:
+                        ts.worker_restrictions = {min(others, key=lambda w: (self.queued[w], w))}
+                    moved += 1
+                    if ts.state == "no-worker":
+                        runnable[ts.key] = "processing"
+            if runnable:
+                scheduler.transitions(runnable, stimulus_id=kwargs.get("stimulus_id", "daskllm-replace"))
+            if moved:
+                scheduler.log_event(EVENT_TOPIC, {"action": "re-placed", "worker": worker, "tasks": moved})
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("daskllm placement: remove_worker failed")
+            scheduler.log_event(EVENT_TOPIC, {"action": "error", "error": repr(exc)})
+
+
+def _valid(ann) -> bool:
+    return (isinstance(ann, dict) and isinstance(ann.get("op"), str)
+            and (ann["op"] not in KIND_OF_OP or isinstance(ann.get("model"), str))
+            and isinstance(ann.get("prefix", []), list)
+            and isinstance(ann.get("prompt_tokens", 0), int) and isinstance(ann.get("max_tokens", 0), int))
+
+
+def _depths(tasks: dict) -> dict:
+    """Longest chain of dependencies within this update, per task."""
+    depth: dict = {}
+
+    def visit(key) -> int:
+        if key not in depth:
+            depth[key] = 0  # guards cycles
+            ts = tasks[key]
+            depth[key] = 1 + max((visit(d.key) for d in ts.dependencies if d.key in tasks), default=-1)
+        return depth[key]
+
+    for key in tasks:
+        visit(key)
+    return depth

@@ -1,0 +1,16 @@
+"""Dask scheduler preload: ``dask scheduler --preload plugins/scheduler.py [--daskllm-placement POLICY]``.
+
+Adds :class:`daskllm.placement.PlacementPlugin`, which places LLM tasks with model, cache
+and load locality (policies: cache_aware, round_robin, least_loaded, prefix_affinity, off).
+"""
+
+import click
+
+from daskllm.placement import POLICIES, PlacementPlugin
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--daskllm-placement", "policy", default=None, type=click.Choice(POLICIES),
+              help="Placement policy (default: daskllm.placement.policy in dask config).")
+def dask_setup(scheduler, policy):
+    scheduler.add_plugin(PlacementPlugin(policy), name=PlacementPlugin.name)
