@@ -188,7 +188,24 @@ def machine_info() -> dict:
         cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
     return {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": cpu_model,
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "dask": dask.__version__, "distributed": distributed.__version__, "networkx": nx.__version__}
+            "dask": dask.__version__, "distributed": distributed.__version__, "networkx": nx.__version__,
+            **git_state()}
+
+
+def git_state() -> dict:
+    """The commit measured, and which library files differed from it (a run on a dirty tree says so)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    modified = [line[3:] for line in git("status", "--porcelain", "--", "daskllm").splitlines()]
+    return {"git_commit": git("rev-parse", "--short", "HEAD").strip(), "git_modified": modified}
 
 
 def _median(values):
@@ -260,8 +277,7 @@ def plan_once(questions: list[str], args) -> tuple[dict, object, nx.DiGraph]:
     report = result.report
     row = {"build_s": t1 - t0, "plan_s": t2 - t1, "lower_s": t3 - t2, "total_s": t3 - t0,
            "pass_s": dict(passes.seconds), "tasks": dict(report["tasks"]), "requested": dict(report["requested"]),
-           "prefix": report.get("prefix"), "stage": report.get("stage"), "cse": report.get("cse"),
-           "graph_edges": sum(len(d) for d in result.graph.dependencies.values())}
+           "prefix": report.get("prefix"), "stage": report.get("stage"), "cse": report.get("cse")}
     return row, node, graph
 
 
@@ -499,7 +515,9 @@ def main(argv=None) -> int:
     table = markdown(plan, e2e, args)
     print(table)
     print(f"\ntotal {total_s:.0f}s (planning {plan_s:.0f}s); {info['cpu_count']} CPUs; load average (1 min) "
-          f"before/after: {load_before[0]:.2f} / {load_after[0]:.2f}")
+          f"before/after: {load_before[0]:.2f} / {load_after[0]:.2f}; placement policy "
+          f"{dask.config.get('daskllm.placement.policy', 'none')}; commit {info['git_commit']}"
+          f"{' + uncommitted changes to ' + ', '.join(info['git_modified']) if info['git_modified'] else ''}")
     if args.json:
         payload = {"command": " ".join(["python", *sys.argv]), "args": vars(args), "machine": info,
                    "load_average_before": load_before, "load_average_after": load_after, "total_seconds": total_s,

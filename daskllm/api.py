@@ -135,13 +135,13 @@ class IndexRef:
 
     __slots__ = ("name", "workers", "embedder", "fingerprint")
 
-    def __init__(self, name, workers, embedder, sizes):
+    def __init__(self, name, workers, embedder, sizes, version):
         self.name, self.workers, self.embedder = name, list(workers), embedder
-        self.fingerprint = (name, tuple(workers), tuple(sizes))
+        self.fingerprint = (name, tuple(workers), tuple(sizes), version)
 
     @classmethod
     def of(cls, index) -> IndexRef:
-        return cls(index.name, index.workers, index.embedder, index.sizes)
+        return cls(index.name, index.workers, index.embedder, index.sizes, index.version)
 
 
 def compute(*nodes, passes=None, granularity=None, result_cache=None, **kwargs):

@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 
+import dask
 from distributed import LocalCluster
 
 from daskllm import config
@@ -85,11 +86,15 @@ class LocalLLMCluster(LocalCluster):
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
         if placement != "off":
             scheduler_kwargs.setdefault("plugins", [PlacementPlugin(placement)])
-        super().__init__(n_workers=0, threads_per_worker=threads_per_worker, scheduler_kwargs=scheduler_kwargs,
-                         plugins={EngineHost(self.engine_specs, **defaults)}, **kwargs)
-        self.scale(n_workers)
-        if not self.asynchronous:
-            self.sync(self._correct_state)
+        # Dask starts workers with MALLOC_TRIM_THRESHOLD_=65536, which makes torch's many
+        # short-lived buffers slow (measured: prefill and embedding 30-50% slower).
+        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+            super().__init__(n_workers=0, threads_per_worker=threads_per_worker,
+                             scheduler_kwargs=scheduler_kwargs, plugins={EngineHost(self.engine_specs, **defaults)},
+                             **kwargs)
+            self.scale(n_workers)
+            if not self.asynchronous:
+                self.sync(self._correct_state)
 
     def new_worker_spec(self):
         if not self.gpus:

@@ -160,12 +160,13 @@ class VectorIndex:
             return self._search(queries, k)
 
     def _search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
-        fetch = k
+        # One more than asked for: a tie between the k-th and the next means the tie may
+        # continue past what was fetched, so fetch more (rare); otherwise one pass does.
+        fetch = k + 1
         while True:
             scores, ids = self._index.search(queries, min(fetch, self.ntotal))
             if self.metric == "l2":
                 scores = -scores
-            # A tie at the k-th place may continue past what was fetched: fetch more.
             if self.kind != "flat" or fetch >= self.ntotal or not np.any(scores[:, k - 1] == scores[:, -1]):
                 break
             fetch *= 2

@@ -9,9 +9,10 @@ each task's ``daskllm`` annotation and decides its worker:
 * **cache**: a shadow of each worker's prefix cache (block hash chains: what the workers
   report, plus what this plugin has already sent there) gives the tokens a worker would
   serve from cache; a decode goes where its prefill went.
-* **load**: each candidate scores ``cached tokens saved - load_weight x queued tokens``
-  (SGLang-router style); prefix affinity alone would pile one system prompt's calls onto
-  one engine. Prefills of a popular prefix are replicated at lowering and land on
+* **load**: a call follows the cache while the worker it would join is within
+  ``balance-tokens`` (or ``balance-ratio`` x the mean) of the least loaded one; past that,
+  each candidate scores ``cached tokens saved - load_weight x queued tokens`` (SGLang-router
+  style): prefix affinity alone would pile one system prompt's calls onto one engine. Prefills of a popular prefix are replicated at lowering and land on
   different workers here, and their consumers spread with them (Halo's replication).
 * **order**: priorities run deeper tasks first and calls sharing a prefix back to back
   (Teola's topology-aware batching), so a cached prefix is used before it is evicted.
@@ -57,6 +58,8 @@ class PlacementPlugin(SchedulerPlugin):
             raise ValueError(f"placement policy must be one of {POLICIES}, got {self.policy!r}")
         self.load_weight = float(load_weight if load_weight is not None else config.get("placement.load-weight"))
         self.block_size = int(block_size or config.get("engine.block-size"))
+        self.balance_tokens = int(config.get("placement.balance-tokens"))
+        self.balance_ratio = float(config.get("placement.balance-ratio"))
         # The shadow of each worker's prefix cache: what it last reported, plus the prefixes of
         # tasks placed there that have not finished (so not yet in a report).
         self.reported: dict[str, dict[str, set[str]]] = defaultdict(dict)  # worker -> model -> hashes
@@ -126,10 +129,73 @@ class PlacementPlugin(SchedulerPlugin):
             tasks[key] = ts
         depth = _depths(tasks)
         order = sorted(tasks, key=lambda k: (depth[k], tasks[k].priority))  # dependencies before dependents
+        self._plan = self._plan_prefix_groups(scheduler, [k for k in order if k in tasks], tasks, ours) \
+            if self.policy == "cache_aware" else {}
         for key in order:
             if ours[key]["op"] in KIND_OF_OP:
                 self._place_one(scheduler, key, tasks[key], ours[key])
+        self._plan = {}
         self._prioritize(tasks, ours, depth)
+
+    def _plan_prefix_groups(self, scheduler, order: list, tasks: dict, ours: dict) -> dict:
+        """Place decodes that share a first block as groups (Halo-style consolidation).
+
+        Placing calls one by one, a greedy rule sees the other workers idle while it places
+        the first prefix's calls and spills them everywhere. Here each group goes, largest
+        first, to the worker already holding its prefix or else the least loaded, up to a
+        fair share of the update's work; a group bigger than that is split over workers.
+        """
+        groups: dict[tuple[str, str], list] = defaultdict(list)
+        for key in order:
+            ann = ours[key]
+            prefix = ann.get("prefix") or []
+            fed_by_prefill = any(d.key in ours and ours[d.key].get("op") == "prefill" for d in tasks[key].dependencies)
+            if ann["op"] == "decode" and prefix and not fed_by_prefill:
+                groups[(ann["model"], prefix[0])].append(key)
+        plan: dict = {}
+        by_model: dict[str, list] = defaultdict(list)
+        for (model, _), keys in groups.items():
+            by_model[model].append(keys)
+        for model, model_groups in by_model.items():
+            candidates = self._holders(scheduler, "llm", model)
+            if len(candidates) < 2:
+                continue
+            load = {w: float(self.queued[w]) for w in candidates}
+            holds: dict[str, set[str]] = {w: set() for w in candidates}
+
+            def cost(key, w):
+                ann = ours[key]
+                prefix, calls = ann["prefix"], int(ann.get("shard", 1))
+                cached = self._cached_tokens(w, model, prefix)
+                if prefix[0] in holds[w]:
+                    cached = max(cached, len(prefix) * self.block_size)
+                return max(calls, ann["prompt_tokens"] + ann["max_tokens"] - calls * cached)
+
+            def reused(key):  # a call's work once its worker holds the group's prefix
+                ann = ours[key]
+                calls = int(ann.get("shard", 1))
+                return max(calls, ann["prompt_tokens"] + ann["max_tokens"] - calls * len(ann["prefix"]) * self.block_size)
+
+            total = sum(cost(keys[0], candidates[0]) + sum(reused(k) for k in keys[1:]) for keys in model_groups)
+            cap = (sum(load.values()) + total) / len(candidates) * (1 + self.balance_ratio)
+            for keys in sorted(model_groups, key=len, reverse=True):
+                prefix = ours[keys[0]]["prefix"]
+                pending = list(keys)
+                while pending:
+                    # The worker holding the prefix while it has room, else the least loaded;
+                    # every round places at least one call, so this always ends.
+                    holder = max(candidates, key=lambda w: (prefix[0] in holds[w] or
+                                                            self._cached_tokens(w, model, prefix) > 0, -load[w]))
+                    w = holder if load[holder] + cost(pending[0], holder) <= cap else \
+                        min(candidates, key=lambda x: load[x])
+                    while True:
+                        key = pending.pop(0)
+                        load[w] += cost(key, w)
+                        holds[w].add(prefix[0])
+                        plan[key] = w
+                        if not pending or load[w] + cost(pending[0], w) > cap:
+                            break
+        return plan
 
     def _place_one(self, scheduler, key, ts, ann: dict) -> None:
         kind, model = KIND_OF_OP[ann["op"]], ann["model"]
@@ -144,7 +210,10 @@ class PlacementPlugin(SchedulerPlugin):
             return
         prefix = ann.get("prefix") or []
         tokens = int(ann.get("prompt_tokens", 0)) + int(ann.get("max_tokens", 0))
-        worker, reason = self._choose(candidates, ann["op"], model, prefix, tokens, ts, int(ann.get("shard", 1)))
+        calls = int(ann.get("shard", 1))
+        worker, reason = self._choose(candidates, ann["op"], model, prefix, tokens, ts, calls)
+        if ann["op"] == "decode":  # the work it adds there: what the cache does not serve
+            tokens = max(calls, tokens - calls * self._cached_tokens(worker, model, prefix))
         ts.worker_restrictions = {worker}
         ts.loose_restrictions = False  # hard: stealing must not move it away; remove_worker re-places
         self.placed[key] = (worker, tokens, model, prefix)
@@ -158,6 +227,9 @@ class PlacementPlugin(SchedulerPlugin):
     def _choose(self, candidates: list[str], op: str, model: str, prefix: list[str], tokens: int, ts, calls: int):
         if len(candidates) == 1:
             return candidates[0], "model"
+        planned = getattr(self, "_plan", {}).get(ts.key)
+        if planned in candidates:
+            return planned, "cache" if self._cached_tokens(planned, model, prefix) else "balance"
         if self.policy == "round_robin":
             return candidates[next(self._round_robin) % len(candidates)], "balance"
         if self.policy == "least_loaded":
@@ -179,11 +251,19 @@ class PlacementPlugin(SchedulerPlugin):
         for w in prefill_workers & set(candidates):
             saved[w] = max(saved[w], whole) + whole  # the prefix it will hold, and the prefill not wasted
         deps = {w for d in ts.dependencies for w in (d.worker_restrictions or ())}
+        affine = max(candidates, key=lambda w: (saved[w], w in deps, -self.queued[w]))
         if self.policy == "prefix_affinity":
-            chosen = max(candidates, key=lambda w: (saved[w], w in deps, -self.queued[w]))
-        else:
-            chosen = max(candidates, key=lambda w: (saved[w] - self.load_weight * self.queued[w], w in deps,
-                                                    -self.queued[w]))
+            return affine, "cache" if saved[affine] else "balance"
+        # SGLang-router style: follow the cache while the load stays balanced; past the
+        # threshold, the score (tokens saved - queued tokens) decides, which sends work to
+        # idle engines even if they must compute the prefix again.
+        least = min(candidates, key=lambda w: (self.queued[w], w))
+        mean = sum(self.queued[w] for w in candidates) / len(candidates)
+        slack = max(self.balance_tokens, self.balance_ratio * mean)
+        if saved[affine] and self.queued[affine] - self.queued[least] <= slack:
+            return affine, "cache"
+        chosen = max(candidates, key=lambda w: (saved[w] - self.load_weight * self.queued[w], w in deps,
+                                                -self.queued[w]))
         return chosen, "cache" if saved[chosen] else "balance"
 
     def _reported_tokens(self, worker: str, model: str, prefix: list[str]) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -108,6 +109,8 @@ class ShardedIndex:
     workers: list[str]  # shard i lives on workers[i]
     embedder: str = DEFAULT_EMBEDDING_MODEL
     sizes: list[int] = field(default_factory=list)
+    # Changes with every change of contents, so cached search results never outlive them.
+    version: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @classmethod
     def create(cls, client, name: str, *, embedder: str = DEFAULT_EMBEDDING_MODEL, dim: int | None = None,
@@ -194,6 +197,11 @@ class ShardedIndex:
             raise ValueError(f"index {self.name!r}: vectors must have dimension {self.config['dim']}, "
                              f"got shape {vectors.shape}")
         ids = self._next_ids(len(vectors)) if ids is None else np.asarray(ids, dtype=np.int64)
+        if ids.shape != (len(vectors),):
+            raise ValueError(f"index {self.name!r}: {len(vectors)} vectors but {len(ids)} ids")
+        if texts is not None and len(texts) != len(vectors):
+            raise ValueError(f"index {self.name!r}: {len(vectors)} vectors but {len(texts)} texts")
+        self._next_id = max(getattr(self, "_next_id", 0), int(ids.max()) + 1 if len(ids) else 0)
         futures = [(shard, self.client.submit(add_to_shard, self.name, shard, vectors[rows], ids[rows].tolist(),
                                               None if texts is None else [texts[r] for r in rows],
                                               workers=[self.workers[shard]], allow_other_workers=False, pure=False))
@@ -202,6 +210,7 @@ class ShardedIndex:
         return self
 
     def _collect_sizes(self, futures) -> None:
+        self.version = uuid.uuid4().hex
         for shard, size in zip([s for s, _ in futures], self.client.gather([f for _, f in futures])):
             self.sizes[shard] = max(self.sizes[shard], size)
 

@@ -39,7 +39,7 @@ def _tokens(parts, deps, engine) -> list[int]:
         if isinstance(part, Ref):
             ids += engine.tokenize(render_value(_value(part, deps)), add_special_tokens=False)
         else:
-            ids += part
+            ids += part if isinstance(part, tuple) else engine.tokenize(render_value(part), add_special_tokens=False)
     return ids
 
 
@@ -64,7 +64,7 @@ def run_prefill(task_key: str, model: str, parts: list, *deps) -> PrefillHandle:
     engine = get_engine(model)
     handle = engine.prefill(_tokens(parts, deps, engine))
     _record(task_key, "prefill", calls=1, prompt_tokens=handle.num_tokens, cached_tokens=handle.num_cached_tokens,
-            computed_tokens=len(handle.block_hashes) * handle.block_size - handle.num_cached_tokens)
+            computed_tokens=handle.num_tokens - handle.num_cached_tokens)
     return handle
 
 

@@ -176,7 +176,11 @@ def test_batched_cold_equals_alone(backend, tiny_model_dir, reference):
         fresh.close()
     assert _tokens(batch) == _tokens(reference)
     assert [c.text for c in batch] == [c.text for c in reference]
-    assert all(c.num_cached_tokens == 0 for c in batch)  # all admitted together: nothing cached
+    # Requests sharing a prefix with one admitted in the same step wait a step and find it
+    # cached (torch engine), instead of computing it again; either way the tokens are the same.
+    shared = [c for c in batch if c.num_cached_tokens > 0]
+    if backend == "torch":
+        assert shared and stats.prefill_tokens_cached == sum(c.num_cached_tokens for c in batch)
     assert stats.max_batch_size > 1
 
 

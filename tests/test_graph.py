@@ -116,14 +116,23 @@ def test_prefill_work_is_near_the_lower_bound_with_passes_on(client):
         optimized = daskllm.compute(*calls)
     RESULTS.clear()
     client.run(reset_prefix_caches)
-    with daskllm.usage() as off:
-        naive = daskllm.compute(*calls, **NAIVE)
+    client.run_on_scheduler(_set_policy, policy="off")  # the naive baseline: plain Dask placement too
+    try:
+        with daskllm.usage() as off:
+            naive = daskllm.compute(*calls, **NAIVE)
+    finally:
+        client.run_on_scheduler(_set_policy, policy="cache_aware")
     assert optimized == naive
     assert on.requested["generate"] == off.requested["generate"] == 2 * (len(QUESTIONS) + 4)
     assert on.executed["generate"] == 2 * len(QUESTIONS)  # duplicates ran once
     assert off.executed["generate"] == 2 * (len(QUESTIONS) + 4)
     assert on.prefill_tokens_computed / bound <= 1.1
-    assert off.prefill_tokens_computed / bound > 1.5
+    # Off, the engine's own prefix cache still catches some reuse (measured 1.6-1.7 here).
+    assert off.prefill_tokens_computed / bound > 1.4
+
+
+def _set_policy(dask_scheduler, policy):
+    dask_scheduler.plugins["daskllm-placement"].policy = policy
 
 
 def test_partial_prefill_runs_beside_the_retrieval_it_waits_for(client, stdlib_corpus):

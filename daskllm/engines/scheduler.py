@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from daskllm.engines.detok import TextStream
-from daskllm.engines.kv_cache import ROOT_HASH, BlockManager
+from daskllm.engines.kv_cache import ROOT_HASH, BlockManager, hash_block
 from daskllm.engines.protocol import SamplingParams, TokenCallback
 
 
@@ -82,26 +82,53 @@ class Scheduler:
             step.append((seq, n))
             budget -= n
             i += 1
+        # Blocks this step will compute: a waiting request whose next block is among them
+        # waits one step and then finds it cached, instead of computing it a second time.
+        computing = {h for seq, n in step for h in self._new_block_hashes(seq, n)}
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             self._attach_cached_prefix(seq)
+            upcoming = self._new_block_hashes(seq, 1)
+            if upcoming and upcoming[0] in computing:
+                self._detach(seq)
+                deferred.append(seq)
+                continue
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self._detach(seq)  # holding blocks while waiting could starve the running ones
-                if not self.running:  # cannot fit even alone: submit() rules this out
+                self.waiting.appendleft(seq)
+                if not self.running and not deferred:  # cannot fit even alone: submit() rules this out
                     raise RuntimeError(f"request {seq.request_id} does not fit in the KV cache")
                 break
             if seq.num_cached is None:
                 seq.num_cached = min(seq.num_computed, seq.num_prompt_tokens)
                 self.cached_tokens += seq.num_cached
-            self.waiting.popleft()
             self.running.append(seq)
+            computing.update(self._new_block_hashes(seq, n))
             if n:
                 step.append((seq, n))
                 budget -= n
             else:  # a prefill-only request that was entirely cached
                 step.append((seq, 0))
+        self.waiting.extendleft(reversed(deferred))
         return step
+
+    def _new_block_hashes(self, seq: Sequence, n: int) -> list[int]:
+        """Hashes of the full blocks ``seq`` completes by computing its next ``n`` tokens.
+
+        With ``n=1`` it is the block being started: the one a duplicate prefix would share.
+        """
+        bs = self.blocks.block_size
+        limit = seq.cacheable_limit
+        first = len(seq.block_hashes)  # blocks already named
+        last = min(seq.num_computed + max(n, bs), limit) // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        out = []
+        for idx in range(first, last):
+            parent = hash_block(parent, seq.token_ids[idx * bs:(idx + 1) * bs])
+            out.append(parent)
+        return out
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -83,7 +83,7 @@ _lowered_cache: dict = {}
 
 def lowered(outputs: list[Node]) -> Lowered:
     """Plan and lower ``outputs`` together (memoized per outputs and configuration)."""
-    cache_key = (tuple(o.key for o in outputs), str(dask.config.get("daskllm")), len(RESULTS))
+    cache_key = (tuple(o.key for o in outputs), str(dask.config.get("daskllm")), RESULTS.version)
     with _cache_lock:
         if cache_key in _lowered_cache:
             return _lowered_cache[cache_key]
@@ -405,8 +405,16 @@ def prefill_lower_bound(prompts) -> int:
     return total
 
 
-# Output key -> item hashes, so results can be remembered when they come back.
-_pending_results: dict[str, tuple[list[str], bool]] = {}
+class _Pending(dict):
+    """Output key -> item hashes, so results can be remembered when they come back (bounded)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        while len(self) > 10_000:
+            del self[next(iter(self))]
+
+
+_pending_results: dict[str, tuple[list[str], bool]] = _Pending()
 
 
 def remember(key: str, value) -> None:

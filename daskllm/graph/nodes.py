@@ -154,7 +154,7 @@ class Node(DaskMethodsMixin):
 
         with overrides(kwargs):
             value = super().compute(**kwargs)
-        remember(self.key, value)  # here, on the client: Dask may finalize on a worker
+            remember(self.key, value)  # here, on the client: Dask may finalize on a worker
         return value
 
     def persist(self, **kwargs):

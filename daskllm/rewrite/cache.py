@@ -23,6 +23,7 @@ class _LRU:
     def __init__(self):
         self._data: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
+        self.version = 0  # changes whenever the contents do: plans made before are stale
 
     def get(self, key: str):
         with self._lock:
@@ -38,10 +39,12 @@ class _LRU:
             self._data.move_to_end(key)
             while len(self._data) > limit:
                 self._data.popitem(last=False)
+            self.version += 1
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self.version += 1
 
     def __len__(self) -> int:
         return len(self._data)

@@ -24,12 +24,13 @@ from daskllm.graph.nodes import Node
 class _Trie:
     """A radix tree over fixed-size token blocks, counting the calls through each node."""
 
-    __slots__ = ("children", "count", "members")
+    __slots__ = ("children", "count", "members", "_common")
 
     def __init__(self):
         self.children: dict[tuple[int, ...], _Trie] = {}
         self.count = 0
         self.members: list[tuple[int, ...]] = []  # the distinct prefixes through this node
+        self._common: tuple[int, ...] | None = None
 
     def insert(self, prefix: tuple[int, ...], blocks: list[tuple[int, ...]], calls: int = 1) -> None:
         node = self
@@ -50,7 +51,9 @@ class _Trie:
 
     def common_prefix(self) -> tuple[int, ...]:
         """The token-level common prefix of every call through this node (at least its blocks)."""
-        return tuple(os.path.commonprefix(self.members))
+        if self._common is None:  # many calls share a node: compute it once
+            self._common = tuple(os.path.commonprefix(self.members))
+        return self._common
 
 
 def _blocks(tokens: tuple[int, ...], size: int) -> list[tuple[int, ...]]:

@@ -1,0 +1,232 @@
+"""The placement plugin on a multi-process cluster: model, cache and load locality, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import dask
+import pytest
+from distributed import Client, get_task_stream
+from distributed.utils_test import poll_for
+
+import daskllm
+from daskllm.cluster import LocalLLMCluster
+from daskllm.graph.lower import lowered
+from daskllm.rewrite.cache import RESULTS
+from daskllm.worker import EngineHost, engine_stats, reset_prefix_caches, resident_models
+
+SYSTEMS = [f"System prompt {n}: you are assistant number {n}. Answer in one short sentence and cite the module. " * 3
+           for n in range(3)]
+QUESTIONS = [f"Question {i}: how do I use feature {i} of the standard library well?" for i in range(24)]
+NAIVE = {"passes": [], "granularity": "query", "result_cache": False}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=6, dashboard_address=":0",
+                         engine_options={"kv_cache_tokens": 8192}) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster) as client:
+        yield client
+
+
+def cold_start(client) -> None:
+    """Empty result and prefix caches, and wait until the scheduler's view says so too."""
+    RESULTS.clear()
+    client.run(reset_prefix_caches)
+
+    def reported(dask_scheduler):
+        return sum(len(h) for ws in dask_scheduler.workers.values()
+                   for h in ((ws.metrics or {}).get("daskllm") or {}).get("cache", {}).values())
+
+    poll_for(lambda: client.run_on_scheduler(reported) == 0, timeout=15)
+
+
+@pytest.fixture(autouse=True)
+def cold(client):
+    cold_start(client)
+    set_policy(client, "cache_aware")
+    yield
+
+
+def set_policy(client, policy: str) -> None:
+    def apply(dask_scheduler, policy):
+        dask_scheduler.plugins["daskllm-placement"].policy = policy
+
+    client.run_on_scheduler(apply, policy=policy)
+
+
+def workload(max_tokens: int = 4):
+    return [daskllm.generate(daskllm.prompt(system + "{q}\nAnswer:", q=QUESTIONS), max_tokens=max_tokens)
+            for system in SYSTEMS]
+
+
+def ran_on(stream) -> dict[str, str]:
+    return {t["key"]: t["worker"] for t in stream.data}
+
+
+def test_decode_follows_its_prefill_and_prefixes_spread(client):
+    nodes = workload()
+    graph = lowered(nodes).graph  # before computing: afterwards the result cache would serve it all
+    with get_task_stream(client) as stream:
+        daskllm.compute(*nodes)
+    where = ran_on(stream)
+    pairs = 0
+    for layer in graph.layers.values():
+        for key, task in layer.items():
+            if key.startswith("decode-"):
+                for dep in task.dependencies:
+                    if dep.startswith("prefill-"):
+                        assert where[key] == where[dep]
+                        pairs += 1
+    assert pairs >= len(SYSTEMS)
+    assert len({where[k] for k in where if k.startswith("decode-")}) == 2  # both workers used
+
+
+def test_cache_aware_beats_round_robin_on_hits_without_worse_balance(client):
+    results = {}
+    for policy in ("round_robin", "cache_aware"):
+        cold_start(client)
+        set_policy(client, policy)
+        before = client.run(engine_stats)
+        with daskllm.usage() as usage:
+            # One task per call and no prefill tasks: what differs is placement alone.
+            values = daskllm.compute(*workload(), passes=["cse"], granularity="query")
+        after = client.run(engine_stats)
+        computed = [after[w]["tiny"]["prefill_tokens_computed"] - before[w]["tiny"]["prefill_tokens_computed"]
+                    + after[w]["tiny"]["decode_tokens"] - before[w]["tiny"]["decode_tokens"] for w in after]
+        results[policy] = (usage.prefill_tokens_cached / usage.prefill_tokens, max(computed) / (sum(computed) / 2),
+                           values)
+    assert results["cache_aware"][2] == results["round_robin"][2]  # placement never changes outputs
+    assert results["cache_aware"][0] > results["round_robin"][0]
+    assert results["cache_aware"][1] <= max(results["round_robin"][1], 1.3)
+
+
+def test_tasks_for_a_model_run_only_where_it_is(client, tiny_model_dir, tmp_path):
+    """One worker gets a second model (a copy of tiny, so the same tokens); its tasks go only there."""
+    model_b = tmp_path / "tiny-b"
+    shutil.copytree(tiny_model_dir, model_b)
+    workers = sorted(client.scheduler_info()["workers"])
+    other = workers[1]
+
+    async def add_engine(dask_worker):
+        await dask_worker.plugin_add(EngineHost(["tiny", str(model_b)], kv_cache_tokens=4096),
+                                     name="daskllm-engines")
+
+    client.run(add_engine, workers=[other])
+    try:
+        def advertised():
+            return client.run_on_scheduler(
+                lambda dask_scheduler, w: list(dask_scheduler.workers[w].metrics.get("daskllm", {})
+                                               .get("models", {}).get("llm", [])), w=other)
+
+        poll_for(lambda: "tiny-b" in advertised(), timeout=15)
+        node = daskllm.generate(daskllm.prompt("Model B, question {q}", q=QUESTIONS), max_tokens=3, model=str(model_b))
+        with get_task_stream(client) as stream:
+            on_b = node.compute()
+        assert {w for k, w in ran_on(stream).items() if k.startswith("decode-")} == {other}
+        assert on_b == daskllm.generate(daskllm.prompt("Model B, question {q}", q=QUESTIONS), max_tokens=3,
+                                        model="tiny").compute()  # same weights: same tokens
+    finally:
+        async def restore(dask_worker):
+            await dask_worker.plugin_add(EngineHost(["tiny"], kv_cache_tokens=8192), name="daskllm-engines")
+
+        client.run(restore, workers=[other])
+        poll_for(lambda: all(m == ["tiny"] for m in resident_models(client).values()), timeout=15)
+
+
+def test_a_model_no_worker_holds_fails_clearly(client, tiny_model_dir, tmp_path):
+    copy = tmp_path / "tiny-copy"
+    shutil.copytree(tiny_model_dir, copy)
+    node = daskllm.generate("hello", model=str(copy), max_tokens=2)
+    with pytest.raises(Exception, match=r"no worker holds the llm model '\S*tiny-copy'"):
+        client.compute(node).result(timeout=60)
+    assert daskllm.generate("hello", max_tokens=2).compute()  # the cluster carries on
+
+
+def test_malformed_annotation_falls_back_to_plain_dask_and_is_logged(client):
+    with dask.annotate(daskllm={"op": "decode", "model": 7}):
+        value = dask.delayed(sum)([1, 2, 3], dask_key_name="malformed-annotation-task")
+    assert client.compute(value).result() == 6
+    events = [e[1] for e in client.get_events("daskllm-placement")]
+    assert any(e.get("action") == "malformed-annotation" and e.get("key") == "malformed-annotation-task"
+               for e in events)
+
+
+def test_a_plugin_fault_never_takes_the_scheduler_down(client):
+    def break_plugin(dask_scheduler):
+        plugin = dask_scheduler.plugins["daskllm-placement"]
+        plugin._saved_place = plugin._place
+        plugin._place = lambda *a, **k: 1 / 0
+
+    def repair(dask_scheduler):
+        plugin = dask_scheduler.plugins["daskllm-placement"]
+        plugin._place = plugin._saved_place
+
+    client.run_on_scheduler(break_plugin)
+    try:
+        nodes = workload()
+        assert daskllm.compute(*nodes) == daskllm.compute(*nodes, **NAIVE)
+        errors = [e[1] for e in client.get_events("daskllm-placement") if e[1].get("action") == "error"]
+        assert errors and "ZeroDivisionError" in errors[-1]["error"]
+    finally:
+        client.run_on_scheduler(repair)
+
+
+def test_killing_a_worker_loses_nothing(tiny_model_dir):
+    expected_nodes = workload(max_tokens=24)
+    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=6, dashboard_address=":0",
+                         engine_options={"kv_cache_tokens": 8192}) as cluster, Client(cluster) as client:
+        expected = daskllm.compute(*expected_nodes, **NAIVE)
+        RESULTS.clear()
+        client.run(reset_prefix_caches)
+        futures = client.compute(workload(max_tokens=24))
+        time.sleep(1.0)  # work is under way on both workers
+        victim = sorted(client.scheduler_info()["workers"])[0]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        assert client.gather(futures, errors="raise") == list(expected)
+        re_placed = [e[1] for e in client.get_events("daskllm-placement") if e[1].get("action") == "re-placed"]
+        assert all(e["worker"] == victim for e in re_placed)
+
+
+@pytest.mark.slow
+def test_scheduler_preload_with_cli_workers(tmp_path, tiny_model_dir):
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    bin_dir = pathlib.Path(sys.executable).parent
+    scheduler_file = tmp_path / "scheduler.json"
+    scheduler = subprocess.Popen([bin_dir / "dask", "scheduler", "--scheduler-file", scheduler_file, "--port", "0",
+                                  "--no-dashboard", "--host", "127.0.0.1", "--preload", repo / "plugins" /
+                                  "scheduler.py", "--daskllm-placement", "least_loaded"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        poll_for(scheduler_file.exists, timeout=60)
+        address = json.loads(scheduler_file.read_text())["address"]
+        worker = subprocess.Popen([bin_dir / "dask", "worker", address, "--nthreads", "4", "--no-dashboard",
+                                   "--preload", repo / "plugins" / "worker.py", "--daskllm-model", "tiny"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(1, timeout=120)
+            policy = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["daskllm-placement"].policy)
+            assert policy == "least_loaded"
+            node = daskllm.generate(daskllm.prompt("Q: {q}", q=QUESTIONS[:3]), max_tokens=3)
+            got = client.compute(node).result(timeout=120)
+            decisions = client.run_on_scheduler(
+                lambda dask_scheduler: dict(dask_scheduler.plugins["daskllm-placement"].decisions))
+        assert len(got) == 3 and sum(decisions.values()) >= 1
+    finally:
+        for proc in (worker, scheduler):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
