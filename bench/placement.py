@@ -35,7 +35,9 @@ placement annotations, times the block size), ``n_s`` its number of calls and ``
 number of workers that ran at least one of its calls under ``cache_aware``, every call but
 the first on each worker is served ``P_s`` tokens from cache and everything else is computed:
 ``ideal = sum_s (n_s - W_s) * P_s / total prompt tokens``. (Calls whose questions share
-further full blocks can make the measured rate exceed this slightly.)
+further full blocks can make the measured rate exceed this slightly; and since ``W_s`` comes from
+``cache_aware``'s own placement, a policy that spreads a prefix over fewer workers can exceed
+it. The table also gives the one-copy bound, ``W_s = 1``: each prefix computed once in all.)
 
 Policies are interleaved within each repetition (every repetition runs every policy once, in
 a rotated order) and medians over ``--repeats`` are reported. Exits with status 1 if outputs
@@ -212,7 +214,7 @@ def ideal_hit_rate(anns: dict, ran_on: dict, total_prompt_tokens: int, block: in
     groups: dict[str, list] = defaultdict(list)
     for key, ann in anns.items():
         groups[(ann["prefix"] or ["-"])[0]].append(key)
-    saved, detail = 0, []
+    saved, bound, detail = 0, 0, []
     for keys in groups.values():
         chains = [anns[k]["prefix"] for k in keys]
         common = chains[0]
@@ -222,9 +224,11 @@ def ideal_hit_rate(anns: dict, ran_on: dict, total_prompt_tokens: int, block: in
         shared = len(common) * block
         workers = {ran_on[k] for k in keys if k in ran_on}
         saved += (len(keys) - len(workers)) * shared
+        bound += (len(keys) - 1) * shared
         detail.append({"calls": len(keys), "shared_prefix_tokens": shared, "workers": len(workers)})
     detail.sort(key=lambda d: -d["calls"])
-    return {"ideal_hit_rate": saved / total_prompt_tokens if total_prompt_tokens else 0.0, "groups": detail}
+    rate = (lambda x: x / total_prompt_tokens if total_prompt_tokens else 0.0)
+    return {"ideal_hit_rate": rate(saved), "one_copy_hit_rate": rate(bound), "groups": detail}
 
 
 def markdown(summary: dict, args) -> str:
@@ -232,6 +236,7 @@ def markdown(summary: dict, args) -> str:
     for wl, rows in summary.items():
         ideal = rows["_ideal"]
         lines.append(f"\n**{wl}** ({ideal['calls']} calls; ideal hit rate {ideal['ideal_hit_rate']:.1%}; "
+                     f"one copy per prefix {ideal['one_copy_hit_rate']:.1%}; "
                      f"groups (calls / shared prefix tokens / workers under cache_aware): "
                      + ", ".join(f"{g['calls']}/{g['shared_prefix_tokens']}/{g['workers']}" for g in ideal["groups"])
                      + ")\n")

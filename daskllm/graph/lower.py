@@ -14,6 +14,7 @@ couples the graph side to the scheduler side.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -314,8 +315,7 @@ class _Lowering:
         for p in prefixes[1:]:
             n = next((j for j, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
             common = common[:n]
-        block = int(config.get("engine.block-size"))
-        return {"op": op, "model": model, "prefix": [format(h, "x") for h in block_hashes(common, block)],
+        return {"op": op, "model": model, "prefix": list(_hex_block_hashes(common, int(config.get("engine.block-size")))),
                 "prompt_tokens": sum(len(p) for p in prefixes), "max_tokens": max_tokens * shard, "shard": shard}
 
     def _lower_simple(self, node: Node, op: str, fn, *params) -> None:
@@ -370,6 +370,11 @@ class _Lowering:
                 self._add("output", key, Task(key, tasks.assemble, (spec[0][0],), *deps))
         if cacheable(node):
             _pending_results[key] = (hashes(self.g, node), node.batched)
+
+
+@functools.lru_cache(maxsize=65536)
+def _hex_block_hashes(tokens: tuple[int, ...], block: int) -> tuple[str, ...]:
+    return tuple(format(h, "x") for h in block_hashes(tokens, block))
 
 
 def _workers_holding(model: str) -> int:

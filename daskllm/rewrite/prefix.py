@@ -88,10 +88,11 @@ class SharedPrefixPrefill:
         shared = partial = saved = 0
         for model, by_prefix in calls.items():
             trie = _Trie()
+            blocks_of = {prefix: _blocks(prefix, block) for prefix in by_prefix}
             for prefix, group in by_prefix.items():
-                trie.insert(prefix, _blocks(prefix, block), len(group))
+                trie.insert(prefix, blocks_of[prefix], len(group))
             for prefix, group in by_prefix.items():
-                depth, shared_node = trie.shared(_blocks(prefix, block))
+                depth, shared_node = trie.shared(blocks_of[prefix])
                 for node, i, static in group:
                     if not static and len(prefix) >= threshold:
                         # Waits for upstream output: prefill all it knows now (this covers
