@@ -54,7 +54,7 @@ import platform
 import statistics
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 POLICIES = ["cache_aware", "round_robin", "least_loaded", "prefix_affinity", "off"]
 TOPICS = ["parse a date string", "read a CSV file", "merge two dictionaries", "sort a list of tuples",
@@ -118,9 +118,8 @@ def machine_info() -> dict:
     import torch
 
     cpu_model = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
     return {"platform": platform.platform(), "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__}
 
@@ -177,9 +176,9 @@ def annotations(nodes) -> dict:
 
 
 def run_once(client, model: str, nodes, policy: str) -> dict:
-    import daskllm
     from distributed import get_task_stream
 
+    import daskllm
     from daskllm.worker import engine_stats
 
     wait = cold_start(client)
@@ -308,8 +307,8 @@ def main(argv=None) -> int:
                 "work": [med(r["per_worker"][w]["work"] for r in runs) for w in sorted(runs[0]["per_worker"])],
                 "exact": all(r["exact"] for r in runs)}
         summary[wl] = rows
-    for wl in raw:  # ran_on is large and only needed for the ideal
-        for runs in raw[wl].values():
+    for per_policy in raw.values():  # ran_on is large and only needed for the ideal
+        for runs in per_policy.values():
             for r in runs:
                 r.pop("ran_on", None)
     total_s = time.perf_counter() - started

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import Counter, defaultdict, deque
 
 from distributed import SchedulerPlugin
@@ -162,19 +163,23 @@ class PlacementPlugin(SchedulerPlugin):
                 continue
             load = {w: float(self.queued[w]) for w in candidates}
             holds: dict[str, set[str]] = {w: set() for w in candidates}
+            # What a group's calls really share: the common part of their prefix chains.
+            shared = {keys[0]: len(os.path.commonprefix([ours[k]["prefix"] for k in keys])) * self.block_size
+                      for keys in model_groups}
+            group_of = {k: keys[0] for keys in model_groups for k in keys}
 
             def cost(key, w):
                 ann = ours[key]
-                prefix, calls = ann["prefix"], int(ann.get("shard", 1))
-                cached = self._cached_tokens(w, model, prefix)
-                if prefix[0] in holds[w]:
-                    cached = max(cached, len(prefix) * self.block_size)
+                calls = int(ann.get("shard", 1))
+                cached = self._cached_tokens(w, model, ann["prefix"])
+                if ann["prefix"][0] in holds[w]:
+                    cached = max(cached, shared[group_of[key]])
                 return max(calls, ann["prompt_tokens"] + ann["max_tokens"] - calls * cached)
 
             def reused(key):  # a call's work once its worker holds the group's prefix
                 ann = ours[key]
                 calls = int(ann.get("shard", 1))
-                return max(calls, ann["prompt_tokens"] + ann["max_tokens"] - calls * len(ann["prefix"]) * self.block_size)
+                return max(calls, ann["prompt_tokens"] + ann["max_tokens"] - calls * shared[group_of[key]])
 
             total = sum(cost(keys[0], candidates[0]) + sum(reused(k) for k in keys[1:]) for keys in model_groups)
             cap = (sum(load.values()) + total) / len(candidates) * (1 + self.balance_ratio)
