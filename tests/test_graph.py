@@ -8,14 +8,13 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, get_task_stream
-from distributed.utils_test import poll_for
 
 import daskllm
 from daskllm.cluster import LocalLLMCluster
 from daskllm.graph.lower import lowered, plan
 from daskllm.rewrite.cache import RESULTS
 from daskllm.retrieval import ShardedIndex
-from daskllm.worker import reset_prefix_caches
+from helpers import cold_start, set_policy
 
 SYSTEM_A = ("You are a senior Python engineer. Answer questions about the standard library in one sentence, "
             "naming the module and the function to use, and one pitfall a newcomer is likely to hit. ") * 2
@@ -130,12 +129,12 @@ def _prefill_ratio_check(client):
     with daskllm.usage() as on:
         optimized = daskllm.compute(*calls)
     cold_start(client)
-    client.run_on_scheduler(_set_policy, policy="off")  # the naive baseline: plain Dask placement too
+    set_policy(client, "off")  # the naive baseline: plain Dask placement too
     try:
         with daskllm.usage() as off:
             naive = daskllm.compute(*calls, **NAIVE)
     finally:
-        client.run_on_scheduler(_set_policy, policy="cache_aware")
+        set_policy(client, "cache_aware")
     assert optimized == naive
     assert on.requested["generate"] == off.requested["generate"] == 2 * (len(QUESTIONS) + 4)
     assert on.executed["generate"] == 2 * len(QUESTIONS)  # duplicates ran once
@@ -143,22 +142,6 @@ def _prefill_ratio_check(client):
     assert on.prefill_tokens_computed / bound <= 1.1
     # Off, the engine's own prefix cache still catches some reuse (measured 1.6-1.7 here).
     assert off.prefill_tokens_computed / bound > 1.4
-
-
-def cold_start(client) -> None:
-    """Empty result and prefix caches, and wait until the scheduler's view says so too."""
-    RESULTS.clear()
-    client.run(reset_prefix_caches)
-
-    def reported(dask_scheduler):
-        return sum(len(h) for ws in dask_scheduler.workers.values()
-                   for h in ((ws.metrics or {}).get("daskllm") or {}).get("cache", {}).values())
-
-    poll_for(lambda: client.run_on_scheduler(reported) == 0, timeout=15)
-
-
-def _set_policy(dask_scheduler, policy):
-    dask_scheduler.plugins["daskllm-placement"].policy = policy
 
 
 def test_partial_prefill_runs_beside_the_retrieval_it_waits_for(client, stdlib_corpus):

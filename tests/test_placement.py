@@ -21,6 +21,7 @@ from daskllm.cluster import LocalLLMCluster
 from daskllm.graph.lower import lowered
 from daskllm.rewrite.cache import RESULTS
 from daskllm.worker import EngineHost, engine_stats, reset_prefix_caches, resident_models
+from helpers import cold_start, set_policy
 
 SYSTEMS = [f"System prompt {n}: you are assistant number {n}. Answer in one short sentence and cite the module. " * 3
            for n in range(3)]
@@ -41,30 +42,11 @@ def client(cluster):
         yield client
 
 
-def cold_start(client) -> None:
-    """Empty result and prefix caches, and wait until the scheduler's view says so too."""
-    RESULTS.clear()
-    client.run(reset_prefix_caches)
-
-    def reported(dask_scheduler):
-        return sum(len(h) for ws in dask_scheduler.workers.values()
-                   for h in ((ws.metrics or {}).get("daskllm") or {}).get("cache", {}).values())
-
-    poll_for(lambda: client.run_on_scheduler(reported) == 0, timeout=15)
-
-
 @pytest.fixture(autouse=True)
 def cold(client):
     cold_start(client)
     set_policy(client, "cache_aware")
     yield
-
-
-def set_policy(client, policy: str) -> None:
-    def apply(dask_scheduler, policy):
-        dask_scheduler.plugins["daskllm-placement"].policy = policy
-
-    client.run_on_scheduler(apply, policy=policy)
 
 
 def workload(max_tokens: int = 4):

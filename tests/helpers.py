@@ -1,0 +1,29 @@
+"""Helpers shared by the cluster tests."""
+
+from __future__ import annotations
+
+from distributed.utils_test import poll_for
+
+from daskllm.rewrite.cache import RESULTS
+from daskllm.worker import reset_prefix_caches
+
+
+def cold_start(client) -> None:
+    """Empty result and prefix caches, and wait until the scheduler's view says so too."""
+    RESULTS.clear()
+    client.run(reset_prefix_caches)
+
+    def reported(dask_scheduler):
+        return sum(len(h) for ws in dask_scheduler.workers.values()
+                   for h in ((ws.metrics or {}).get("daskllm") or {}).get("cache", {}).values())
+
+    poll_for(lambda: client.run_on_scheduler(reported) == 0, timeout=15)
+
+
+def set_policy(client, policy: str) -> None:
+    """Switch the running placement plugin's policy."""
+
+    def apply(dask_scheduler, policy):
+        dask_scheduler.plugins["daskllm-placement"].policy = policy
+
+    client.run_on_scheduler(apply, policy=policy)
