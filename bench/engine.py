@@ -31,16 +31,15 @@ sequential greedy tokens ever differ.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 import torch
+from machine import machine_info as shared_machine_info
 
 from daskllm.engines.protocol import SamplingParams
 from daskllm.engines.torch_engine import TorchEngine
@@ -90,21 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def machine_info() -> dict:
-    cpu_model = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "numpy": np.__version__,
-    }
+    return shared_machine_info(torch_interop_threads=torch.get_num_interop_threads())
 
 
 class Prompts:

@@ -38,12 +38,10 @@ The JSON keeps every raw number and the machine information.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import itertools
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -51,8 +49,8 @@ import time
 from collections import defaultdict
 
 import dask
-import distributed
 import networkx as nx
+from machine import machine_info as shared_machine_info
 
 import daskllm
 from daskllm.graph import lower
@@ -181,15 +179,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def machine_info() -> dict:
-    import torch
-
-    cpu_model = platform.processor() or ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    return {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": cpu_model,
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "dask": dask.__version__, "distributed": distributed.__version__, "networkx": nx.__version__,
-            **git_state()}
+    return shared_machine_info(networkx=nx.__version__, **git_state())
 
 
 def git_state() -> dict:

@@ -47,14 +47,14 @@ ever differ between policies.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections import defaultdict
+
+from machine import machine_info as shared_machine_info
 
 POLICIES = ["cache_aware", "round_robin", "least_loaded", "prefix_affinity", "off"]
 TOPICS = ["parse a date string", "read a CSV file", "merge two dictionaries", "sort a list of tuples",
@@ -115,13 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def machine_info() -> dict:
-    import torch
-
-    cpu_model = platform.processor() or ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    return {"platform": platform.platform(), "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__}
+    return shared_machine_info()
 
 
 # --- cluster helpers (as tests/test_placement.py does) ---------------------------------------

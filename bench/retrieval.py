@@ -37,13 +37,13 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 import torch
+from machine import machine_info as shared_machine_info
 
 MODEL = "all-MiniLM-L6-v2"
 QUERY_MARKER = "does the following: "
@@ -99,27 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def machine_info() -> dict:
-    import dask
-    import distributed
     import faiss
 
-    cpu_model = platform.processor() or ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "numpy": np.__version__,
-        "faiss": faiss.__version__,
-        "faiss_omp_threads": faiss.omp_get_max_threads(),
-        "dask": dask.__version__,
-        "distributed": distributed.__version__,
-    }
+    return shared_machine_info(faiss=faiss.__version__, faiss_omp_threads=faiss.omp_get_max_threads())
 
 
 def _median(values):
