@@ -31,15 +31,12 @@ _LAZY = {
     "SamplingParams": "daskllm.engines.protocol",
     "Completion": "daskllm.engines.protocol",
     "TorchEngine": "daskllm.engines.torch_engine",
-    "models": "daskllm.models:",
 }
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        module_name, _, attr = _LAZY[name].partition(":")
-        module = importlib.import_module(module_name)
-        return module if _ and not attr else getattr(module, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'daskllm' has no attribute {name!r}")
 
 

@@ -234,7 +234,7 @@ def engine_stats(dask_worker=None, kind: str = "llm") -> dict[str, dict]:
 
 def reset_prefix_caches(dask_worker=None) -> int:
     """Drop every cached prefix no running request uses; ``client.run(reset_prefix_caches)``."""
-    plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME) if dask_worker is not None else host()
+    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else host()
     return sum(bool(e.reset_prefix_cache()) for e in plugin.engines.get("llm", {}).values()) if plugin else 0
 
 
