@@ -1,19 +1,20 @@
-"""The main job: a batch of real generations through Dask tasks on resident engines.
+"""The main job: a batch of real generations through the daskllm task graph.
 
-A local cluster starts with the embedded engine on every worker; each worker's engine is
-warmed with a shared system prompt by a prefill task; then the questions run as Dask
-tasks, one per shard of questions, so concurrent requests batch inside each engine.
+A local cluster starts with the embedded engine on every worker. The questions are one
+batched ``daskllm.generate`` over a shared system prompt: the rewrite passes give the shared
+prefix its own prefill task and cut the batch into shards, the placement plugin puts each
+shard where its prefix is cached, and ``daskllm.usage()`` reports what really ran.
 """
 
 from __future__ import annotations
 
 import time
 
-from distributed import Client, wait
+from distributed import Client
 
 from daskllm.cluster import LocalLLMCluster
-from daskllm.engines import SamplingParams
-from daskllm.worker import engine_stats, get_engine, prefill
+from daskllm.graph.prompt import tokenizer_for
+from daskllm.worker import engine_stats
 
 SYSTEM_PROMPT = (
     "You are a senior Python engineer who answers questions about the Python standard library. "
@@ -42,54 +43,49 @@ def questions(n: int) -> list[str]:
             f"Assistant:" for i in range(n)]
 
 
-def generate_shard(model: str, prompts: list[str], max_tokens: int) -> list[dict]:
-    """A generate task over a shard of prompts; they join the engine's running batch together."""
-    completions = get_engine(model).generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return [{"text": c.text, "prompt_tokens": c.num_prompt_tokens, "cached_tokens": c.num_cached_tokens,
-             "generated_tokens": len(c.token_ids)} for c in completions]
-
-
 def run(model: str = "small", n_workers: int = 1, n_requests: int = 32, max_tokens: int = 32,
-        shard_size: int = 8, dashboard_address: str = ":8787", keep_alive: float = 0.0, echo=print) -> dict:
+        dashboard_address: str = ":8787", keep_alive: float = 0.0, echo=print) -> dict:
+    import daskllm
+
     t0 = time.perf_counter()
     echo(f"Starting a local cluster: {n_workers} worker(s), resident engine for model {model!r} ...")
     with LocalLLMCluster(models=[model], n_workers=n_workers, dashboard_address=dashboard_address) as cluster, \
             Client(cluster) as client:
         startup = time.perf_counter() - t0
         echo(f"Cluster up in {startup:.1f}s. Dashboard: {cluster.dashboard_link}")
-        workers = list(client.scheduler_info()["workers"])
-        prompts = [SYSTEM_PROMPT + q for q in questions(n_requests)]
+        asked = questions(n_requests)
+        answers = daskllm.generate(daskllm.prompt(SYSTEM_PROMPT + "{q}", q=asked), model=model,
+                                   max_tokens=max_tokens, ignore_eos=True)
+        echo("\nThe plan:")
+        report = daskllm.explain(answers, file=None)
 
         t1 = time.perf_counter()
-        warm = [client.submit(prefill, model, SYSTEM_PROMPT, workers=[w], pure=False) for w in workers]
-        handles = client.gather(warm)
-        shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
-        futures = client.map(generate_shard, [model] * len(shards), shards, [max_tokens] * len(shards))
-        wait(futures)
-        results = [r for shard in client.gather(futures) for r in shard]
+        with daskllm.usage() as usage:
+            texts = daskllm.compute(answers, result_cache=False)[0]
         elapsed = time.perf_counter() - t1
         stats = client.run(engine_stats)
+        system_tokens = len(tokenizer_for(model).prefix_ids) + len(tokenizer_for(model).encode(SYSTEM_PROMPT))
 
-        generated = sum(r["generated_tokens"] for r in results)
-        prompt_tokens = sum(r["prompt_tokens"] for r in results)
-        cached = sum(r["cached_tokens"] for r in results)
+        generated = usage.decode_tokens
+        prompt_tokens = usage.prefill_tokens
+        cached = usage.prefill_tokens_cached
         summary = {
-            "model": model, "workers": n_workers, "requests": len(results), "seconds": elapsed,
+            "model": model, "workers": n_workers, "requests": len(texts), "seconds": elapsed,
             "startup_seconds": startup, "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
             "generated_tokens": generated, "generated_tokens_per_s": generated / elapsed,
-            "requests_per_s": len(results) / elapsed, "prefix_cache_hit_rate": cached / prompt_tokens,
-            "system_prompt_tokens": handles[0].num_tokens, "dashboard": cluster.dashboard_link,
-            "engines": stats,
+            "requests_per_s": len(texts) / elapsed, "prefix_cache_hit_rate": cached / max(1, prompt_tokens),
+            "system_prompt_tokens": system_tokens, "dashboard": cluster.dashboard_link,
+            "tasks": dict(report.get("tasks", {})), "usage": usage.as_dict(), "engines": stats,
         }
-        echo(f"\nShared system prompt: {handles[0].num_tokens} tokens, prefilled once per worker "
-             f"({len(handles[0].block_hashes)} cached blocks).")
-        for q, r in list(zip(prompts, results))[:3]:
-            echo(f"  Q: {q[len(SYSTEM_PROMPT):].splitlines()[0]}\n  A: {r['text'][:100]!r}")
+        for q, text in list(zip(asked, texts))[:3]:
+            echo(f"  Q: {q.splitlines()[0]}\n  A: {text[:100]!r}")
         echo("  (the model has random weights, so answers are noise; the work is real)\n")
-        echo(f"{len(results)} requests in {elapsed:.2f}s through {len(futures)} Dask tasks: "
+        echo(f"{len(texts)} requests in {elapsed:.2f}s through {sum(report['tasks'].values())} Dask tasks "
+             f"({', '.join(f'{n} {op}' for op, n in sorted(report['tasks'].items()))}): "
              f"{summary['requests_per_s']:.1f} requests/s, {summary['generated_tokens_per_s']:.0f} generated tokens/s")
         echo(f"Prefix cache: {cached} of {prompt_tokens} prompt tokens served from cache "
-             f"({100 * summary['prefix_cache_hit_rate']:.0f}% hit rate)")
+             f"({100 * summary['prefix_cache_hit_rate']:.0f}% hit rate); shared system prompt: {system_tokens} tokens")
+        echo(str(usage))
         for worker, engines in stats.items():
             for name, s in engines.items():
                 echo(f"  {worker} {name}: prefill computed {s['prefill_tokens_computed']}, cached "
