@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 import torch
+from machine import log
 from machine import machine_info as shared_machine_info
 
 from daskllm.engines.protocol import SamplingParams
@@ -321,9 +322,6 @@ def _join(values) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
 
     info = machine_info()
     log(f"torch {info['torch']}, {info['torch_threads']} threads on {info['cpu_count']} CPUs ({info['cpu_model']})")

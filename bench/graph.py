@@ -50,6 +50,7 @@ from collections import defaultdict
 
 import dask
 import networkx as nx
+from machine import log
 from machine import machine_info as shared_machine_info
 
 import daskllm
@@ -489,9 +490,6 @@ def markdown(plan: dict | None, e2e: dict | None, args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
 
     info = machine_info()
     log(f"{info['cpu_count']} CPUs ({info['cpu_model']}), dask {info['dask']}, torch {info['torch']}")

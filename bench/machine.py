@@ -1,10 +1,16 @@
-"""What every benchmark records about the machine it ran on."""
+"""What every benchmark shares: the record of the machine it ran on, and progress logging."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import platform
+import sys
+
+
+def log(msg) -> None:
+    """Progress on stderr, so stdout stays the Markdown report."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def machine_info(**extra) -> dict:

@@ -54,6 +54,7 @@ import sys
 import time
 from collections import defaultdict
 
+from machine import log
 from machine import machine_info as shared_machine_info
 
 POLICIES = ["cache_aware", "round_robin", "least_loaded", "prefix_affinity", "off"]
@@ -247,9 +248,6 @@ def markdown(summary: dict, args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
 
     from distributed import Client
 

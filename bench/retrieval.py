@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 import torch
+from machine import log
 from machine import machine_info as shared_machine_info
 
 MODEL = "all-MiniLM-L6-v2"
@@ -549,9 +550,6 @@ def main(argv=None) -> int:
     from daskllm.corpus import stdlib_docs
     from daskllm.engines.embedder import EmbedEngine
     from daskllm.qa import stdlib_questions
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
 
     info = machine_info()
     log(f"torch {info['torch']} ({info['torch_threads']} threads), faiss {info['faiss']} "

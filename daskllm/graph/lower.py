@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -311,10 +312,7 @@ class _Lowering:
 
     def _llm_annotation(self, op: str, model: str, prefixes: list[tuple[int, ...]], max_tokens: int,
                         shard: int) -> dict:
-        common = prefixes[0] if prefixes else ()
-        for p in prefixes[1:]:
-            n = next((j for j, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
-            common = common[:n]
+        common = tuple(os.path.commonprefix(prefixes)) if prefixes else ()
         return {"op": op, "model": model, "prefix": list(_hex_block_hashes(common, int(config.get("engine.block-size")))),
                 "prompt_tokens": sum(len(p) for p in prefixes), "max_tokens": max_tokens * shard, "shard": shard}
 
@@ -401,8 +399,7 @@ def prefill_lower_bound(prompts) -> int:
     total, previous = 0, None
     for model, tokens in sorted(prompts):
         if previous is not None and previous[0] == model:
-            shared = next((j for j, (a, b) in enumerate(zip(previous[1], tokens)) if a != b),
-                          min(len(previous[1]), len(tokens)))
+            shared = len(os.path.commonprefix([previous[1], tokens]))
         else:
             shared = 0
         total += len(tokens) - shared
