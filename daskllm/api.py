@@ -11,6 +11,9 @@ Bad input fails here, at build time, with an error naming the node or field.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 from dask.delayed import Delayed
 
@@ -19,6 +22,7 @@ from daskllm.engines import SamplingParams
 from daskllm.graph.nodes import Node
 from daskllm.graph.prompt import Prompt, Tokens, as_prompt, chat, prompt, tokenizer_fingerprint, tokens
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
+from daskllm.streaming import ANCESTRY, PmapSpec, Stage, delimited, splitter
 
 
 class batch(list):  # noqa: N801 - reads as a marker: daskllm.batch([...])
@@ -26,8 +30,12 @@ class batch(list):  # noqa: N801 - reads as a marker: daskllm.batch([...])
 
 
 def _input(value, *, lists_are_batches: bool = True) -> Node:
+    from daskllm.retrieval import ShardedIndex
+
     if isinstance(value, Node):
         return value
+    if isinstance(value, ShardedIndex):
+        return Node("const", value=value.detached())
     if isinstance(value, Delayed):
         return Node("delayed", value=value)
     if isinstance(value, batch) or (lists_are_batches and isinstance(value, (list, tuple))):
@@ -63,26 +71,42 @@ def _prompt_inputs(op: str, p: Prompt, model: str) -> dict[str, Node]:
 
 def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, stop=(), seed: int | None = None, ignore_eos: bool = False,
-             cache: bool | None = None) -> Node:
-    """An LLM call (or a batch of them). Its value is the generated text (a list for a batch)."""
+             cache: bool | None = None, split=None) -> Node:
+    """An LLM call (or a batch of them). Its value is the generated text (a list for a batch).
+
+    With ``split`` ("lines", "json", :func:`delimited` or a parser ``fn(text, final)``) it
+    is a stream: its value is the list of items the text splits into, and consumers
+    (:func:`pmap`, or embed/search/rerank/generate given the stream) start on each item as
+    soon as it is decoded. A prompt slot filled by a stream makes one call per item.
+    """
+    p = as_prompt(prompt_)
+    options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                   ignore_eos=ignore_eos, cache=cache, split=split)
+    lifted = _lift_prompt("generate", p, dict(model=model, **options))
+    if lifted is not None:
+        return lifted
     model = _model(model)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               stop=stop, ignore_eos=ignore_eos)
     if cache and not sampling.deterministic:
         raise ValueError(f"generate({model!r}): a sampled call without a seed is not deterministic and cannot be "
                          f"cached; pass seed= or cache=False")
-    p = as_prompt(prompt_)
     inputs = _prompt_inputs("generate", p, model)
+    params = {"model": model, "sampling": sampling, "cache": cache is not False and sampling.deterministic,
+              "nonce": not sampling.deterministic}
+    if split is not None:
+        params["split"] = splitter(split)
     return Node("generate", inputs=inputs, template=p.segments, chat=p.chat, width=_width("generate", inputs),
-                params={"model": model, "sampling": sampling, "cache": cache is not False and sampling.deterministic,
-                        "nonce": not sampling.deterministic},
-                nonce=not sampling.deterministic)
+                params=params, nonce=not sampling.deterministic)
 
 
 def prefill(prefix, model: str | None = None) -> Node:
     """Warm the engine's cache with ``prefix``; its value is a small PrefillHandle."""
-    model = _model(model)
     p = as_prompt(prefix)
+    lifted = _lift_prompt("prefill", p, dict(model=model))
+    if lifted is not None:
+        return lifted
+    model = _model(model)
     inputs = _prompt_inputs("prefill", p, model)
     return Node("prefill", inputs=inputs, template=p.segments, chat=p.chat, width=_width("prefill", inputs),
                 params={"model": model})
@@ -90,6 +114,8 @@ def prefill(prefix, model: str | None = None) -> Node:
 
 def embed(text_or_texts, model: str | None = None) -> Node:
     """Embedding vector(s) of text: one vector for a str, one per item for a list or batch."""
+    if _is_stream(text_or_texts):
+        return _lift(embed, "text_or_texts", text_or_texts, {}, model=model)
     model = _model(model, "embed")
     inputs = {"text": _input(text_or_texts)}
     return Node("embed", inputs=inputs, width=_width("embed", inputs), params={"model": model})
@@ -103,6 +129,8 @@ def search(index, query_or_vector, k: int = 5) -> Node:
         raise TypeError(f"search: index must be a ShardedIndex, got {type(index).__name__}")
     if not isinstance(k, int) or k <= 0:
         raise ValueError(f"search({index.name!r}): k must be a positive int, got {k!r}")
+    if _is_stream(query_or_vector):
+        return _lift(search, "query_or_vector", query_or_vector, {}, index=index.detached(), k=k)
     if isinstance(query_or_vector, np.ndarray):
         vectors = query_or_vector.astype(np.float32)
         query = _input(batch(list(vectors)) if vectors.ndim == 2 else vectors)
@@ -118,6 +146,14 @@ def rerank(query, docs, k: int | None = None, model: str | None = None) -> Node:
 
     ``docs`` is one call's documents: a list of str, or a node producing them (e.g. a search).
     """
+    streams = [name for name, v in (("query", query), ("docs", docs)) if _is_stream(v)]
+    if len(streams) > 1:
+        raise ValueError("rerank: query and docs are both streams; a call draws items from one (collect() the other)")
+    if streams:
+        name = streams[0]
+        other = "docs" if name == "query" else "query"
+        return _lift(rerank, name, query if name == "query" else docs, {other: docs if name == "query" else query},
+                     k=k, model=model)
     model = _model(model, "embed")
     inputs = {"query": _input(query), "docs": _input(docs, lists_are_batches=False)}
     return Node("rerank", inputs=inputs, width=_width("rerank", inputs), params={"model": model, "k": k})
@@ -128,6 +164,95 @@ def gather(node: Node) -> Node:
     if not isinstance(node, Node) or not node.batched:
         raise TypeError("gather() takes a batched node")
     return Node("gather", inputs={"items": node})
+
+
+def pmap(stream, fn, *args, errors: str = "raise", sticky: bool = False) -> Node:
+    """``fn(item, *args)`` for every item of ``stream``, as items arrive, in parallel across workers.
+
+    ``stream`` is a split generation, another pmap, or any node or list whose value (per
+    call) is a list. ``fn`` may return plain values or lazy work: daskllm nodes (nested
+    pmaps included), ``dask.delayed`` values, or lists of them; it runs on a worker, so
+    upstream values it needs go in ``args`` (nodes, delayed or plain values) rather than
+    in its closure. The value is the list of results in item order (:func:`collect`).
+
+    ``errors="raise"``: a failed item raises :class:`~daskllm.streaming.ItemError` naming its
+    ancestry, once the other items finish (their results are in ``.results``);
+    ``errors="keep"``: the failed slot holds the error. ``sticky=True`` keeps all items of
+    one parent on one worker (a stateful consumer, e.g. calls sharing that parent's
+    prefix); by default items spread across workers.
+    """
+    if not callable(fn):
+        raise TypeError(f"pmap: fn must be callable, got {type(fn).__name__}")
+    return _pmap(stream, Stage(fn, len(args)), args, errors=errors, sticky=sticky)
+
+
+def _pmap(stream, stage: Stage, args, *, errors: str = "raise", sticky: bool = False) -> Node:
+    if errors not in ("raise", "keep"):
+        raise ValueError(f"pmap: errors must be 'raise' or 'keep', got {errors!r}")
+    source = _input(stream, lists_are_batches=False)
+    inputs = {"stream": source, **{f"arg{j}": _input(a, lists_are_batches=False) for j, a in enumerate(args)}}
+    spec = PmapSpec((stage,), errors, bool(sticky), ANCESTRY.get())
+    return Node("pmap", inputs=inputs, width=_width("pmap", inputs), value=spec,
+                params={"stage": stage.fingerprint, "errors": errors, "sticky": bool(sticky)})
+
+
+def collect(stream) -> Node:
+    """A stream's items (or a pmap's results) as one list, in item order: a plain value, so a
+    builder given it sees the whole list (e.g. a prompt slot listing every item)."""
+    if not isinstance(stream, Node) or not stream.streaming:
+        raise TypeError("collect() takes a stream: a split generate or a pmap")
+    return Node("collect", inputs={"stream": stream}, width=stream.width)
+
+
+def _is_stream(value) -> bool:
+    return isinstance(value, Node) and value.streaming
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A builder applied to one item: ``builder(**{item_arg: item, **others, **fixed})``."""
+
+    builder: str
+    item_arg: str
+    other_args: tuple[str, ...]
+    fixed: tuple
+
+    def __call__(self, item, *others):
+        return globals()[self.builder](**{self.item_arg: item, **dict(zip(self.other_args, others)),
+                                          **dict(self.fixed)})
+
+    @property
+    def fingerprint(self) -> tuple:
+        import dask.base
+
+        return (self.builder, self.item_arg, self.other_args, dask.base.tokenize(self.fixed))
+
+
+def _lift(builder, item_arg: str, stream: Node, others: dict, **fixed) -> Node:
+    """``builder`` over each item of ``stream``: a pmap whose stage is the builder."""
+    call = _Call(builder.__name__, item_arg, tuple(others), tuple(sorted(fixed.items())))
+    return _pmap(stream, Stage(call, len(others), lazy_ok=True), list(others.values()))
+
+
+def _with_slot(builder: str, segments, chat, slot: str, other_slots: tuple, options: tuple, item, *others):
+    from daskllm.graph.prompt import Prompt
+
+    p = Prompt(segments, {slot: item, **dict(zip(other_slots, others))}, chat=chat)
+    return globals()[builder](p, **dict(options))
+
+
+def _lift_prompt(builder: str, p: Prompt, options: dict) -> Node | None:
+    """A prompt with a slot filled by a stream: one call per item (None if no slot is)."""
+    streams = [name for name, v in p.values.items() if _is_stream(v)]
+    if not streams:
+        return None
+    if len(streams) > 1:
+        raise ValueError(f"{builder}: slots {streams} are all streams; a call draws items from one "
+                         f"(collect() the others)")
+    slot = streams[0]
+    others = {k: v for k, v in p.values.items() if k != slot}
+    fn = functools.partial(_with_slot, builder, p.segments, p.chat, slot, tuple(others), tuple(sorted(options.items())))
+    return _pmap(p.values[slot], Stage(fn, len(others), lazy_ok=True), list(others.values()))
 
 
 class IndexRef:
@@ -148,17 +273,25 @@ def compute(*nodes, passes=None, granularity=None, result_cache=None, **kwargs):
     """``dask.compute`` with per-call rewrite settings."""
     import dask
 
-    from daskllm.graph.lower import overrides
-
-    from daskllm.graph.lower import remember
+    from daskllm.graph.lower import overrides, remember
+    from daskllm.graph.nodes import Joint
+    from daskllm.metering import note_lowering
 
     settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
                                   "result_cache": result_cache}.items() if v is not None}
-    with overrides(settings):
-        results = dask.compute(*nodes, **kwargs)
-        for node, value in zip(nodes, results):
-            if isinstance(node, Node):
-                remember(node.key, value)
+    with overrides({**settings, **kwargs}) as rest:
+        ours = [n for n in nodes if isinstance(n, Node)]
+        if not ours:
+            return dask.compute(*nodes, **rest)
+        joint = Joint(ours)  # planned together here: Dask may optimize on the scheduler
+        note_lowering(joint.lowered)
+        values, *others = dask.compute(joint, *[n for n in nodes if not isinstance(n, Node)], **rest)
+    by_key = dict(zip(joint.__dask_keys__(), values))
+    others = iter(others)
+    results = tuple(by_key[n.key] if isinstance(n, Node) else next(others) for n in nodes)
+    for node, value in zip(nodes, results):
+        if isinstance(node, Node):
+            remember(node.key, value)  # here, on the client: Dask may finalize on a worker
     return results
 
 
@@ -180,11 +313,14 @@ def explain(*nodes, file=None) -> dict:
                      f" about {r['prefill_tokens_saved']} prefill tokens saved")
     if "stage" in report:
         lines.append(f"stage split: {report['stage']['nodes_split']} nodes into {report['stage']['stages']} stages")
+    if "pipeline" in report:
+        r = report["pipeline"]
+        lines.append(f"decode pipelining: {r['streamed']} pmaps streamed, {r['pmaps_fused']} pmaps fused")
     if "prune" in report:
         lines.append(f"pruned: {report['prune']['nodes_removed']} nodes, {report['prune']['edges_removed']} edges")
     print("\n".join(lines), file=file)
     return report
 
 
-__all__ = ["batch", "chat", "tokens", "compute", "embed", "explain", "gather", "generate", "prefill", "prompt", "rerank",
-           "search"]
+__all__ = ["batch", "chat", "collect", "compute", "delimited", "embed", "explain", "gather", "generate", "pmap",
+           "prefill", "prompt", "rerank", "search", "tokens"]

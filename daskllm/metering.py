@@ -61,6 +61,9 @@ class Usage:
             elif op == "prefill":
                 self.executed["prefill"] += 1
                 self.prefill_tokens_computed += record["computed_tokens"]
+            elif op == "pmap":  # what its items' sub-pipelines asked for, lowered on a worker
+                for child_op, n in record.get("requested", {}).items():
+                    self.requested[child_op] += n
 
 
 class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
@@ -73,7 +76,20 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
     def __exit__(self, *exc) -> None:
         with _lock:
             _active.remove(self.result)
-        self.result._add_records(_records(self.result.task_keys))
+        self.result._add_records(_with_children(_records(self.result.task_keys)))
+
+
+def _with_children(records: dict[str, dict]) -> dict[str, dict]:
+    """Add the records of work that pmap tasks started (nested pmaps included)."""
+    expanded: set = set()
+    for _ in range(32):  # nesting depth
+        parents = [k for k, r in records.items() if r.get("op") == "pmap" and k not in expanded]
+        expanded |= set(parents)
+        new = {c for k in parents for c in records[k].get("children", ())} - set(records)
+        if not new:
+            break
+        records.update(_records(new))
+    return records
 
 
 def note_lowering(lowered) -> None:
@@ -85,10 +101,10 @@ def note_lowering(lowered) -> None:
             u.requested[op] += n
         for op, n in lowered.report.get("tasks", {}).items():
             u.tasks[op] += n
-        u.task_keys |= set(_task_keys(lowered.graph))
+        u.task_keys |= set(task_keys(lowered.graph))
 
 
-def _task_keys(graph) -> list:
+def task_keys(graph) -> list:
     return [k for layer in graph.layers.values() for k in layer]
 
 

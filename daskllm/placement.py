@@ -213,6 +213,12 @@ class PlacementPlugin(SchedulerPlugin):
             scheduler.log_event(EVENT_TOPIC, {"action": "no-worker-for-model", "key": str(key), "model": model})
             self.decisions["no_model"] += 1
             return
+        if ts.worker_restrictions:  # the user's (e.g. a sticky pmap): choose among those
+            allowed = [w for w in candidates if w in ts.worker_restrictions]
+            if not allowed:
+                self.decisions["user"] += 1
+                return
+            candidates = allowed
         prefix = ann.get("prefix") or []
         tokens = int(ann.get("prompt_tokens", 0)) + int(ann.get("max_tokens", 0))
         calls = int(ann.get("shard", 1))

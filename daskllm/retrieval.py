@@ -286,6 +286,14 @@ class ShardedIndex:
     def drop(self) -> None:
         self.client.run(drop_shards, self.name)
 
+    def detached(self) -> ShardedIndex:
+        """This handle without its client: what travels into tasks (and hashes the same everywhere)."""
+        import copy
+
+        handle = copy.copy(self)
+        handle.client = None
+        return handle
+
     def __getstate__(self):
         # The handle travels into tasks by name and placement; the client stays behind.
         return {**self.__dict__, "client": None}

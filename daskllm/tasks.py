@@ -11,6 +11,7 @@ task's dependencies.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,55 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list,
             cached_tokens=sum(c.num_cached_tokens for c in completions),
             decode_tokens=sum(len(c.token_ids) for c in completions))
     return [c.text for c in completions]
+
+
+def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split, channels: list, items: list,
+                     *deps) -> list[list]:
+    """Generate and split each completion into items; with ``channels`` (the streamed
+    consumers of each call), send every item to them the moment it is complete."""
+    from daskllm import streaming
+
+    engine = get_engine(model)
+    prompts = [_tokens(parts, deps, engine) for parts in items]
+    writer = streaming.StreamWriter(task_key, channels) if any(channels) and streaming.in_cluster() else None
+    try:
+        completions = streaming.stream_decode(engine, prompts, sampling, split, writer)
+    finally:
+        if writer is not None:
+            writer.close()
+    _record(task_key, "decode", calls=len(completions),
+            prompt_tokens=sum(c.num_prompt_tokens for c in completions),
+            cached_tokens=sum(c.num_cached_tokens for c in completions),
+            decode_tokens=sum(len(c.token_ids) for c in completions), streamed=writer is not None,
+            finished=time.time())
+    out = []
+    for i, c in enumerate(completions):
+        try:
+            out.append(split.items(c.text, True))
+        except ValueError as exc:
+            raise ValueError(f"call {i} of {task_key}: {exc}") from None
+    return out
+
+
+def run_pmap(task_key: str, spec, source, source_part, arg_parts: list, *deps) -> list:
+    """A pmap call: each item of its source through the spec's stages, results in order.
+
+    ``source_part`` is the list of items (streamed: None, the items come by queue);
+    ``arg_parts`` are the stage arguments.
+    """
+    from daskllm import streaming
+
+    args = [_value(p, deps) for p in arg_parts]
+    items = None if source.producer_key else _value(source_part, deps)
+    if items is not None and not isinstance(items, (list, tuple)):
+        raise TypeError(f"{task_key}: pmap needs a list of items per call, got {type(items).__name__}")
+    consumer = streaming.Consumer(task_key, spec, source, args, items=None if items is None else list(items))
+    return consumer.run_distributed() if streaming.in_cluster() else consumer.run_local()
+
+
+def first(value, *_):
+    """The first argument; the others are dependencies that must finish too."""
+    return value
 
 
 def run_prefill(task_key: str, model: str, parts: list, *deps) -> PrefillHandle:

@@ -1,12 +1,14 @@
 """Dask scheduler preload: ``dask scheduler --preload plugins/scheduler.py [--daskllm-placement POLICY]``.
 
 Adds :class:`daskllm.placement.PlacementPlugin`, which places LLM tasks with model, cache
-and load locality (policies: cache_aware, round_robin, least_loaded, prefix_affinity, off).
+and load locality (policies: cache_aware, round_robin, least_loaded, prefix_affinity, off),
+and :class:`daskllm.streaming.StreamJanitor`, which deletes the queues of finished streams.
 """
 
 import click
 
 from daskllm.placement import POLICIES, PlacementPlugin
+from daskllm.streaming import StreamJanitor
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -14,3 +16,4 @@ from daskllm.placement import POLICIES, PlacementPlugin
               help="Placement policy (default: daskllm.placement.policy in dask config).")
 def dask_setup(scheduler, policy):
     scheduler.add_plugin(PlacementPlugin(policy), name=PlacementPlugin.name)
+    scheduler.add_plugin(StreamJanitor(), name=StreamJanitor.name)

@@ -11,13 +11,16 @@ from daskllm.worker import reset_prefix_caches
 def cold_start(client) -> None:
     """Empty result and prefix caches, and wait until the scheduler's view says so too."""
     RESULTS.clear()
-    client.run(reset_prefix_caches)
 
     def reported(dask_scheduler):
         return sum(len(h) for ws in dask_scheduler.workers.values()
                    for h in ((ws.metrics or {}).get("daskllm") or {}).get("cache", {}).values())
 
-    poll_for(lambda: client.run_on_scheduler(reported) == 0, timeout=15)
+    def empty():
+        client.run(reset_prefix_caches)  # again: a request still running (e.g. cancelled) keeps its blocks
+        return client.run_on_scheduler(reported) == 0
+
+    poll_for(empty, timeout=30, period=0.5)
 
 
 def set_policy(client, policy: str) -> None:

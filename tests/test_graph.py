@@ -215,7 +215,7 @@ def test_explain_prints_the_plan(capsys):
     node = chain_and_fan(QUESTIONS[:4] + QUESTIONS[:1])[2]
     report = daskllm.explain(node)
     out = capsys.readouterr().out
-    assert "passes applied: cse, cache, prune, prefix, stage" in out
+    assert "passes applied: cse, cache, prune, prefix, pipeline, stage" in out
     assert "decode" in out and "calls merged" in out and "prefill tokens saved" in out
     assert report["cse"]["merged"] == 2
 

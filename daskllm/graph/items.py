@@ -116,10 +116,27 @@ def _resolve(graph: nx.DiGraph, node: Node) -> list:
         return [[_input(graph, node, "query", i)] for i in range(n)]
     if node.op == "rerank":
         return [[_input(graph, node, "query", i), _input(graph, node, "docs", i)] for i in range(n)]
+    if node.op == "pmap":
+        source, args = node.inputs["stream"], pmap_args(node)
+        return [[Dyn(source, item_of(source, i)), *(_arg(a, i) for a in args)] for i in range(n)]
+    if node.op == "collect":
+        source = node.inputs["stream"]
+        return [[Dyn(source, item_of(source, i))] for i in range(n)]
     if node.op == "gather":
         source = node.inputs["items"]
         return [[Dyn(source, j) for j in range(source.n)]]
     raise ValueError(f"{node.label}: no items for op {node.op!r}")
+
+
+def pmap_args(node: Node) -> list[Node]:
+    """A pmap's stage arguments, in order (inputs ``arg0``, ``arg1``, ...)."""
+    return [node.inputs[f"arg{j}"] for j in range(len(node.inputs) - 1)]
+
+
+def _arg(producer: Node, i: int):
+    if producer.op == "const":
+        return producer.value[i] if producer.batched else producer.value
+    return Dyn(producer, item_of(producer, i))
 
 
 def static_prefix(item: list) -> tuple[int, ...]:
@@ -131,4 +148,4 @@ def is_static(item: list) -> bool:
     return all(not isinstance(p, Dyn) for p in item)
 
 
-__all__ = ["Dyn", "Slot", "hashes", "is_static", "item_of", "items", "prompt_parts", "static_prefix"]
+__all__ = ["Dyn", "Slot", "hashes", "is_static", "item_of", "items", "pmap_args", "prompt_parts", "static_prefix"]

@@ -25,9 +25,9 @@ import networkx as nx
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from daskllm import config, tasks
+from daskllm import config, streaming, tasks
 from daskllm.engines.kv_cache import block_hashes
-from daskllm.graph.items import Dyn, hashes, items, static_prefix
+from daskllm.graph.items import Dyn, hashes, item_of, items, pmap_args, static_prefix
 from daskllm.graph.nodes import BATCHABLE_OPS, Node, _registry, stable_hash
 from daskllm.graph.prompt import tokenizer_for
 from daskllm.rewrite import PassManager
@@ -42,7 +42,7 @@ def overrides(kwargs: dict):
     """Per-call overrides of the rewrite config, taken out of ``compute(**kwargs)``."""
     settings = {f"daskllm.{OVERRIDE_KEYS[k]}": kwargs.pop(k) for k in list(kwargs) if k in OVERRIDE_KEYS}
     with dask.config.set(settings):
-        yield
+        yield kwargs
 
 
 @dataclass
@@ -105,9 +105,12 @@ def optimize(dsk, keys):
     """
     if not isinstance(dsk, HighLevelGraph):
         return dsk
-    outputs = [_registry[k] for layer in dsk.layers.values() for k in layer
-               if isinstance(k, str) and k in _registry]
-    if not outputs:
+    # Dask may call this on the scheduler, whose registry is another process's (empty with a
+    # separate scheduler; partial with an in-process one): unless every output is known here,
+    # keep the graphs as lowered per node, which are complete on their own.
+    wanted = {k for name, layer in dsk.layers.items() if name.startswith("daskllm-output-") for k in layer}
+    outputs = [_registry.get(k) for k in wanted]
+    if not outputs or any(o is None for o in outputs):
         return dsk
     result = lowered(list(dict.fromkeys(outputs)))
     from daskllm.metering import note_lowering
@@ -293,9 +296,10 @@ class _Lowering:
         return self.replicas[model]
 
     def _lower_generate(self, node: Node) -> None:
-        model, sampling = node.params["model"], node.params["sampling"]
+        model, sampling, split = node.params["model"], node.params["sampling"], node.params.get("split")
         todo, item_hashes = self._plan_items(node)
         all_items = items(self.g, node)
+        channels = self._stream_channels(node, item_hashes) if split is not None else {}
         self.static_prompts.update((model, item[0]) for item in all_items if len(item) == 1 and isinstance(item[0], tuple))
         prefills = self.g.nodes[node].get("prefill") or [None] * node.n
         for number, shard in enumerate(self._shards(node, todo)):
@@ -305,10 +309,62 @@ class _Lowering:
                         else self.loc[prefills[i]][0][0] for i in shard if prefills[i] is not None}
             deps += [TaskRef(k) for k in sorted(pre_keys)]
             prefixes = [static_prefix(all_items[i]) for i in shard]
-            self._add("decode", key, Task(key, tasks.run_decode, key, model, sampling, resolved, *deps),
+            if split is None:
+                task = Task(key, tasks.run_decode, key, model, sampling, resolved, *deps)
+            else:
+                task = Task(key, tasks.run_decode_split, key, model, sampling, split,
+                            [channels.get(item_hashes[i], []) for i in shard], resolved, *deps)
+            self._add("decode", key, task,
                       self._llm_annotation("decode", model, prefixes, sampling.max_tokens, len(shard)))
             self._place(node, item_hashes, shard, key)
         self._fill_duplicates(node, item_hashes)
+
+    def _stream_channels(self, node: Node, item_hashes: list[str]) -> dict[str, list[str]]:
+        """Per call (by hash, so duplicates of a call share its decode): its streamed consumers' keys."""
+        channels: dict[str, list[str]] = defaultdict(list)
+        for consumer in self.g.successors(node):
+            if consumer.op == "pmap" and self.g.nodes[consumer].get("streamed") and self._pmap_source(consumer) is node:
+                for i in range(consumer.n):
+                    channels[item_hashes[item_of(node, i)]].append(self._pmap_key(consumer, i, True))
+        return channels
+
+    def _pmap_source(self, node: Node) -> Node:
+        return self.g.nodes[node].get("source", node.inputs["stream"])
+
+    @staticmethod
+    def _pmap_key(node: Node, i: int, streamed: bool) -> str:
+        # Streamed and unstreamed consumers are different tasks: never one key for both.
+        return f"pmap-{stable_hash(node.hash, i, streamed)}"
+
+    def _lower_pmap(self, node: Node) -> None:
+        """One consumer task per call of the source; streamed, it reads the decode's queue and
+        a join task (waiting for both) stands for its value, so the decode always runs."""
+        source = self._pmap_source(node)
+        spec, args = self.g.nodes[node].get("fused") or (node.value, pmap_args(node))
+        streamed = self.g.nodes[node].get("streamed")
+        self.requested["pmap"] += node.n
+        self.loc[node] = []
+        for i in range(node.n):
+            arg_parts = [Dyn(a, item_of(a, i)) for a in args]
+            where = self.loc[source][item_of(source, i)]
+            if streamed and where[0] != "const":  # a cached decode has nothing to stream
+                key = self._pmap_key(node, i, True)
+                producer_key, pos = where
+                stream = streaming.Source(producer_key, pos, source.params["sampling"].deterministic)
+                resolved, deps = self._deps_for([arg_parts])
+                self._add("pmap", key, Task(key, tasks.run_pmap, key, spec, stream, None, resolved[0], *deps))
+                join = f"stream-{key}"
+                self._add("pmap", join, Task(join, tasks.first, TaskRef(key), TaskRef(producer_key)))
+                self.loc[node].append((join, None))
+            else:
+                key = self._pmap_key(node, i, False)
+                resolved, deps = self._deps_for([[Dyn(source, item_of(source, i)), *arg_parts]])
+                self._add("pmap", key, Task(key, tasks.run_pmap, key, spec, streaming.Source(), resolved[0][0],
+                                            resolved[0][1:], *deps))
+                self.loc[node].append((key, None))
+
+    def _lower_collect(self, node: Node) -> None:
+        self.loc[node] = self.loc[node.inputs["stream"]]
 
     def _llm_annotation(self, op: str, model: str, prefixes: list[tuple[int, ...]], max_tokens: int,
                         shard: int) -> dict:

@@ -102,6 +102,11 @@ class Node(DaskMethodsMixin):
         return self.width is not None
 
     @property
+    def streaming(self) -> bool:
+        """A stream: a split generation or a pmap; builders given one work item by item."""
+        return self.op == "pmap" or (self.op == "generate" and self.params.get("split") is not None)
+
+    @property
     def n(self) -> int:
         return 1 if self.width is None else self.width
 
@@ -150,18 +155,53 @@ class Node(DaskMethodsMixin):
     __dask_scheduler__ = staticmethod(dask.threaded.get)
 
     def compute(self, **kwargs):
-        from daskllm.graph.lower import overrides, remember
+        from daskllm.api import compute
 
-        with overrides(kwargs):
-            value = super().compute(**kwargs)
-            remember(self.key, value)  # here, on the client: Dask may finalize on a worker
-        return value
+        return compute(self, **kwargs)[0]
 
     def persist(self, **kwargs):
         from daskllm.graph.lower import overrides
 
         with overrides(kwargs):
             return super().persist(**kwargs)
+
+
+class Joint(DaskMethodsMixin):
+    """Several nodes planned and lowered together, on the client: one collection for Dask.
+
+    Dask 2026 may run collection optimizers on the scheduler, so joint planning (CSE and
+    shared prefixes across outputs) is done here, before submission; ``daskllm.compute``
+    and ``node.compute`` go through it.
+    """
+
+    __slots__ = ("nodes", "lowered")
+
+    def __init__(self, nodes: list[Node]):
+        from daskllm.graph.lower import lowered
+
+        self.nodes = list(dict.fromkeys(nodes))
+        self.lowered = lowered(self.nodes)
+
+    def __dask_graph__(self):
+        return self.lowered.graph
+
+    def __dask_keys__(self):
+        return [n.key for n in self.nodes]
+
+    def __dask_layers__(self):
+        return tuple(self.lowered.graph.layers)
+
+    def __dask_tokenize__(self):
+        return tuple(self.__dask_keys__())
+
+    def __dask_postcompute__(self):
+        return tuple, ()
+
+    @staticmethod
+    def __dask_optimize__(dsk, keys, **kwargs):
+        return dsk  # lowered already
+
+    __dask_scheduler__ = staticmethod(dask.threaded.get)
 
 
 def _finalize(results, key):

@@ -19,6 +19,7 @@ import networkx as nx
 
 from daskllm.rewrite.cache import ResultCache
 from daskllm.rewrite.cse import CommonSubexpressions
+from daskllm.rewrite.pipeline import DecodePipelining
 from daskllm.rewrite.prefix import SharedPrefixPrefill
 from daskllm.rewrite.prune import Prune
 from daskllm.rewrite.stage import StageSplit
@@ -35,6 +36,7 @@ REGISTRY: dict[str, type] = {
     "cache": ResultCache,
     "prune": Prune,
     "prefix": SharedPrefixPrefill,
+    "pipeline": DecodePipelining,
     "stage": StageSplit,
 }
 
