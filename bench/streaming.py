@@ -7,7 +7,8 @@ Cluster: ``LocalLLMCluster(models=[MODEL], n_workers=2, threads_per_worker=4)`` 
 MiniLM embedder and bi-encoder reranker; an index over the first ``--docs`` rows of the
 standard-library table (flat, 2 shards).
 
-Pipelines, one per question (``--queries`` questions, all submitted at once):
+Pipelines, one per question; ``--loads`` says how many questions are submitted at once (1:
+one query's latency on idle engines; 6: engines busy with several queries):
 
 * **advanced RAG** (Teola): expand the question into queries (one generation split into
   items) -> embed -> search (k=4) -> rerank each query's hits against the question -> one
@@ -20,8 +21,9 @@ The models have random weights, so an item is a fixed number of words (``words(n
 gives each split generation a realistic item count. Greedy decoding with ``ignore_eos``.
 
 After one unrecorded warm-up run of each mode, each repetition runs both modes back to back
-(order alternating), from a cold start (result cache off, prefix caches reset): ``on`` = default passes, ``off`` = the same passes without
-``pipeline`` (decodes finish, then each pmap runs over the complete list). Recorded per run:
+(order alternating), from a cold start (result cache off, prefix caches reset): ``on`` =
+default passes, ``off`` = the same passes without ``pipeline`` (decodes finish, then each pmap
+runs over the complete list; the work items start on workers follows the same settings). Recorded per run:
 per-query latency (submit -> result), and for ``on`` the lead time of each stream: its
 decode's end minus the start of its first item's work (positive: work started early). The
 outputs of both modes must be identical.
@@ -41,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import log, machine_info  # noqa: E402
 
-PASSES_ON = ["cse", "cache", "prune", "prefix", "pipeline", "stage"]
-PASSES_OFF = [p for p in PASSES_ON if p != "pipeline"]
+PASSES = {"on": ["cse", "cache", "prune", "prefix", "pipeline", "stage"],
+          "off": ["cse", "cache", "prune", "prefix", "stage"]}
 
 
 def words(n: int):
@@ -147,7 +149,8 @@ def _lead(client, node):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--queries", type=int, default=6)
+    parser.add_argument("--loads", type=int, nargs="+", default=[1, 6],
+                        help="queries submitted at once (1: latency alone; more: engines busy)")
     parser.add_argument("--items", type=int, default=6, help="items per split generation")
     parser.add_argument("--docs", type=int, default=1500)
     parser.add_argument("--reps", type=int, default=3)
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.queries, args.reps, args.docs = "tiny", 3, 1, 300
+        args.model, args.loads, args.reps, args.docs = "tiny", [1, 3], 1, 300
 
     from distributed import Client
 
@@ -165,8 +168,8 @@ def main(argv=None) -> int:
     from daskllm.qa import stdlib_questions
 
     texts = [f"{r.qualname}{r.signature}: {r.doc[:300]}" for r in stdlib_docs(limit=args.docs).itertuples()]
-    questions = stdlib_questions(args.queries)["question"].astype(str).tolist()
-    results = {"machine": machine_info(model=args.model, queries=args.queries, items=args.items, docs=args.docs,
+    questions = stdlib_questions(max(args.loads))["question"].astype(str).tolist()
+    results = {"machine": machine_info(model=args.model, loads=args.loads, items=args.items, docs=args.docs,
                                        reps=args.reps, cluster="LocalLLMCluster(n_workers=2, threads_per_worker=4)"),
                "runs": {}}
     with daskllm.LocalLLMCluster(models=[args.model], n_workers=2, threads_per_worker=4) as cluster, \
@@ -175,22 +178,22 @@ def main(argv=None) -> int:
         index = daskllm.ShardedIndex.from_texts(client, "bench-streaming", texts)
         for name in args.pipelines:
             build = PIPELINES[name]
-            runs = {"on": [], "off": []}
-            for mode in ("on", "off"):  # warm-up, not recorded: first use of engines, index, imports
-                run_once(client, build, questions, index, args.model, args.items,
-                         PASSES_ON if mode == "on" else PASSES_OFF)
-            for rep in range(args.reps):
-                order = ["on", "off"] if rep % 2 == 0 else ["off", "on"]
-                for mode in order:
-                    r = run_once(client, build, questions, index, args.model, args.items,
-                                 PASSES_ON if mode == "on" else PASSES_OFF)
-                    runs[mode].append(r)
-                    log(f"{name} rep {rep} {mode}: wall {r['wall']:.2f} s, median latency {r['median_latency']:.2f} s")
-            exact = all(r["outputs"] == runs["off"][0]["outputs"] for r in runs["on"] + runs["off"])
-            results["runs"][name] = {
-                mode: {"median_latency": [r["median_latency"] for r in rs], "wall": [r["wall"] for r in rs],
-                       "lead_times": [x for r in rs for x in r["lead_times"]]} for mode, rs in runs.items()}
-            results["runs"][name]["exact"] = exact
+            for load in args.loads:
+                batch = questions[:load]
+                runs = {"on": [], "off": []}
+                for mode in ("on", "off"):  # warm-up, not recorded: first use of engines, index, imports
+                    run_once(client, build, batch, index, args.model, args.items, PASSES[mode])
+                for rep in range(args.reps):
+                    for mode in (["on", "off"] if rep % 2 == 0 else ["off", "on"]):
+                        r = run_once(client, build, batch, index, args.model, args.items, PASSES[mode])
+                        runs[mode].append(r)
+                        log(f"{name} x{load} rep {rep} {mode}: wall {r['wall']:.2f} s, "
+                            f"median latency {r['median_latency']:.2f} s")
+                exact = all(r["outputs"] == runs["off"][0]["outputs"] for r in runs["on"] + runs["off"])
+                results["runs"][f"{name} x{load}"] = {
+                    **{mode: {"median_latency": [r["median_latency"] for r in rs], "wall": [r["wall"] for r in rs],
+                              "lead_times": [x for r in rs for x in r["lead_times"]]} for mode, rs in runs.items()},
+                    "exact": exact}
     print(report(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -199,18 +202,18 @@ def main(argv=None) -> int:
 
 def report(results) -> str:
     m = results["machine"]
-    lines = [f"model `{m['model']}`, {m['queries']} queries at once, {m['reps']} repetitions, "
-             f"{m.get('cpu', '')}", "",
-             "| pipeline | median latency off | median latency on | speedup | wall off | wall on | "
-             "stream lead time (median, min-max) | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"model `{m['model']}`, {m['reps']} repetitions per mode, {m['items']} items per split generation", "",
+             "| pipeline x queries at once | median latency off | on | speedup | wall off | on | "
+             "lead time, median | streams with lead > 0 | identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["runs"].items():
         off, on = statistics.median(r["off"]["median_latency"]), statistics.median(r["on"]["median_latency"])
         woff, won = statistics.median(r["off"]["wall"]), statistics.median(r["on"]["wall"])
         leads = r["on"]["lead_times"]
-        lead = (f"{statistics.median(leads):.2f} s ({min(leads):.2f}-{max(leads):.2f})" if leads else "n/a")
+        lead = f"{statistics.median(leads):.2f} s" if leads else "n/a"
+        ahead = f"{sum(x > 0 for x in leads)} of {len(leads)}" if leads else "n/a"
         lines.append(f"| {name} | {off:.2f} s | {on:.2f} s | {off / on:.2f}x | {woff:.2f} s | {won:.2f} s | {lead} | "
-                     f"{'yes' if r['exact'] else 'NO'} |")
+                     f"{ahead} | {'yes' if r['exact'] else 'NO'} |")
     return "\n".join(lines)
 
 

@@ -225,6 +225,9 @@ class PmapSpec:
     errors: str = "raise"  # "raise" | "keep"
     sticky: bool = False  # every item of one parent on one worker (stateful consumers)
     ancestry: tuple = ()  # frames of the item this pmap was built for (nested pmaps)
+    # The rewrite settings of the computation that lowered this pmap, so the work its items
+    # start on workers is planned the same way (passes, result cache; e.g. an ablation).
+    rewrite: dict | None = None
 
 
 # --- the wire ------------------------------------------------------------------------------------
@@ -353,9 +356,6 @@ class Source:
     deterministic: bool = True
 
 
-_FAILED = object()
-
-
 class _Item:
     __slots__ = ("index", "stage", "value", "frames")
 
@@ -390,6 +390,7 @@ class Consumer:
         self.requested: dict = {}
         self._ready: list[_Item] = []  # arrived, stages not started
         self._events: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # records, and None to wake up
+        self._refs: dict = {}  # futures of big payloads, until their envelopes arrive
         if items is not None:
             self._add_all(items)
 
@@ -409,10 +410,9 @@ class Consumer:
     def _records(self, records: list) -> None:
         from distributed import Future
 
-        refs = {}
         for r in records:
             if isinstance(r, Future):  # carries a big payload; its envelope comes next
-                refs[r.key] = r
+                self._refs[r.key] = r
                 continue
             kind, _, a, b, run = r
             if self.run is not None and run != self.run and not self.source.deterministic:
@@ -421,7 +421,7 @@ class Consumer:
             if kind == "item":
                 self._add(a, pickle.loads(b))
             elif kind == "ref":
-                self._add(a, refs[b].result())
+                self._add(a, self._refs.pop(b).result())
             elif kind == "end":
                 self.count = a
             elif kind == "error":
@@ -485,7 +485,8 @@ class Consumer:
         nodes = [i.value for i in batch if isinstance(i.value, Node)]
         by_key = {}
         if nodes:
-            joint = Joint(nodes)
+            with dask.config.set({"daskllm.rewrite": self.spec.rewrite} if self.spec.rewrite else {}):
+                joint = Joint(nodes)
             self.children |= set(task_keys(joint.lowered.graph))
             for op, n in joint.lowered.report.get("requested", {}).items():
                 self.requested[op] = self.requested.get(op, 0) + n

@@ -298,3 +298,41 @@ def test_usage_counts_the_work_items_asked_for(client):
         daskllm.compute(daskllm.generate(daskllm.prompt("Say {x}:", x=s), max_tokens=2), result_cache=False)
     assert u.requested["generate"] == 1 + n and u.executed["generate"] == 1 + n
     assert u.decode_tokens == 48 + 2 * n
+
+
+def _set_inline_bytes(n):
+    dask.config.set({"daskllm.streaming.inline-bytes": n})
+
+
+def test_big_items_travel_as_futures(client):
+    """Above streaming.inline-bytes an item goes as a future, not through the scheduler."""
+    s = stream(max_tokens=32)
+    pipeline = daskllm.collect(daskllm.pmap(s, lambda x: x[::-1]))
+    client.run(_set_inline_bytes, 4)
+    try:
+        value = daskllm.compute(pipeline, result_cache=False)[0]
+    finally:
+        client.run(_set_inline_bytes, 65536)
+    assert value == [x[::-1] for x in s.compute()] and len(value) >= 3
+
+
+def test_nested_work_is_planned_with_the_outer_settings(client):
+    """Items' work, lowered on workers, follows the computation's passes (e.g. an ablation)."""
+    from daskllm.metering import _records, _with_children
+
+    def per_claim(claim):
+        parts = daskllm.generate(daskllm.prompt("Parts of {c}:", c=claim), max_tokens=16, ignore_eos=True,
+                                 split=chunks)
+        return daskllm.collect(daskllm.pmap(parts, str.upper))
+
+    streamed = {}
+    for name, passes in (("on", ["cse", "prune", "prefix", "pipeline", "stage"]),
+                         ("off", ["cse", "prune", "prefix", "stage"])):
+        claims = daskllm.generate(f"Settings {name}:", max_tokens=24, ignore_eos=True, split=chunks)
+        nested = daskllm.collect(daskllm.pmap(claims, per_claim))
+        value = daskllm.compute(nested, passes=passes, result_cache=False)[0]
+        with dask.config.set({"daskllm.rewrite.passes": passes}):
+            records = _with_children(_records(set(_keys(nested))))
+        streamed[name] = {r.get("streamed") for r in records.values() if r.get("op") == "decode"}
+        assert len(value) >= 3
+    assert streamed == {"on": {True}, "off": {False}}

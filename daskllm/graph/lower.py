@@ -14,6 +14,7 @@ couples the graph side to the scheduler side.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -341,6 +342,7 @@ class _Lowering:
         a join task (waiting for both) stands for its value, so the decode always runs."""
         source = self._pmap_source(node)
         spec, args = self.g.nodes[node].get("fused") or (node.value, pmap_args(node))
+        spec = dataclasses.replace(spec, rewrite=dict(config.get("rewrite")))
         streamed = self.g.nodes[node].get("streamed")
         self.requested["pmap"] += node.n
         self.loc[node] = []
