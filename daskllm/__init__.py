@@ -24,6 +24,7 @@ _LAZY = {
     "delimited": "daskllm.api",
     "ItemError": "daskllm.streaming",
     "StreamJanitor": "daskllm.streaming",
+    "Budget": "daskllm.dataframe",
     "batch": "daskllm.api",
     "tokens": "daskllm.api",
     "compute": "daskllm.api",
@@ -37,6 +38,11 @@ _LAZY = {
     "Completion": "daskllm.engines.protocol",
     "TorchEngine": "daskllm.engines.torch_engine",
 }
+
+
+# The ``.llm`` accessor on dask dataframes: registered with dask, so ``ddf.llm`` works after
+# ``import daskllm`` (this imports pandas and dask.dataframe, not torch).
+from daskllm import dataframe  # noqa: E402,F401
 
 
 def __getattr__(name: str):

@@ -71,7 +71,7 @@ def _prompt_inputs(op: str, p: Prompt, model: str) -> dict[str, Node]:
 
 def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, stop=(), seed: int | None = None, ignore_eos: bool = False,
-             cache: bool | None = None, split=None) -> Node:
+             cache: bool | None = None, split=None, allowed_token_ids=()) -> Node:
     """An LLM call (or a batch of them). Its value is the generated text (a list for a batch).
 
     With ``split`` ("lines", "json", :func:`delimited` or a parser ``fn(text, final)``) it
@@ -81,13 +81,13 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
     """
     p = as_prompt(prompt_)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                   ignore_eos=ignore_eos, cache=cache, split=split)
+                   ignore_eos=ignore_eos, cache=cache, split=split, allowed_token_ids=tuple(allowed_token_ids))
     lifted = _lift_prompt("generate", p, dict(model=model, **options))
     if lifted is not None:
         return lifted
     model = _model(model)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                              stop=stop, ignore_eos=ignore_eos)
+                              stop=stop, ignore_eos=ignore_eos, allowed_token_ids=tuple(allowed_token_ids))
     if cache and not sampling.deterministic:
         raise ValueError(f"generate({model!r}): a sampled call without a seed is not deterministic and cannot be "
                          f"cached; pass seed= or cache=False")

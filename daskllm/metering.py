@@ -13,6 +13,7 @@ block. The virtual vs physical cost LOTUS users asked for.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ class Usage:
     prefill_tokens_cached: int = 0
     decode_tokens: int = 0
     tasks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Dataframe operators (ddf.llm.*): per operator, rows, distinct inputs, executed calls, failed ones.
+    operators: dict[str, dict] = field(default_factory=dict)
     task_keys: set = field(default_factory=set, repr=False)
 
     @property
@@ -39,7 +42,7 @@ class Usage:
         return {"requested": dict(self.requested), "executed": dict(self.executed),
                 "prefill_tokens_computed": self.prefill_tokens_computed,
                 "prefill_tokens_cached": self.prefill_tokens_cached, "decode_tokens": self.decode_tokens,
-                "tasks": dict(self.tasks)}
+                "tasks": dict(self.tasks), "operators": dict(self.operators)}
 
     def __str__(self) -> str:
         ops = sorted(set(self.requested) | set(self.executed))
@@ -47,12 +50,15 @@ class Usage:
         lines += [f"{op:<10}{self.requested.get(op, 0):>11}{self.executed.get(op, 0):>10}" for op in ops]
         lines.append(f"prefill tokens: {self.prefill_tokens_computed} computed, {self.prefill_tokens_cached} "
                      f"from cache; decode tokens: {self.decode_tokens}")
+        for name, stats in self.operators.items():
+            lines.append(f"ddf.llm.{name}: {stats['rows']} rows, {stats['distinct']} distinct inputs, "
+                         f"{stats['executed']} executed, {stats['failed']} failed")
         return "\n".join(lines)
 
     def _add_records(self, records: dict[str, dict]) -> None:
         for record in records.values():
             op = record["op"]
-            if op != "prefill":
+            if op not in ("prefill", "dataframe"):
                 self.executed["generate" if op == "decode" else op] += record.get("calls", 0)
             if op == "decode":
                 self.prefill_tokens_computed += record["prompt_tokens"] - record["cached_tokens"]
@@ -61,14 +67,20 @@ class Usage:
             elif op == "prefill":
                 self.executed["prefill"] += 1
                 self.prefill_tokens_computed += record["computed_tokens"]
-            elif op == "pmap":  # what its items' sub-pipelines asked for, lowered on a worker
+            elif op in ("pmap", "dataframe"):  # what the work it started asked for, lowered on a worker
                 for child_op, n in record.get("requested", {}).items():
                     self.requested[child_op] += n
+                if op == "dataframe":
+                    stats = self.operators.setdefault(record["operator"],
+                                                      {"rows": 0, "distinct": 0, "executed": 0, "failed": 0})
+                    for k in stats:
+                        stats[k] += record.get(k, 0)
 
 
 class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
     def __enter__(self) -> Usage:
         self.result = Usage()
+        self.started = time.time()
         with _lock:
             _active.append(self.result)
         return self.result
@@ -76,14 +88,41 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
     def __exit__(self, *exc) -> None:
         with _lock:
             _active.remove(self.result)
-        self.result._add_records(_with_children(_records(self.result.task_keys)))
+        records = _records(self.result.task_keys)
+        # Dataframe operators run outside our lowering: their records are found by time.
+        records.update(_records_since(self.started))
+        self.result._add_records(_with_children(records))
+
+
+def _records_since(started: float) -> dict[str, dict]:
+    from daskllm.worker import local_host
+
+    found = _dataframe_records(started, local_host().usage)
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except ValueError:
+        return found
+    for records in client.run(_worker_dataframe_records, started).values():
+        found.update(records)
+    return found
+
+
+def _dataframe_records(started: float, usage) -> dict:
+    return {k: v for k, v in list(usage.items()) if v.get("op") == "dataframe" and v.get("time", 0) >= started}
+
+
+def _worker_dataframe_records(started, dask_worker=None) -> dict:
+    plugin = dask_worker.plugins.get("daskllm-engines") if dask_worker is not None else None
+    return _dataframe_records(started, plugin.usage) if plugin is not None else {}
 
 
 def _with_children(records: dict[str, dict]) -> dict[str, dict]:
-    """Add the records of work that pmap tasks started (nested pmaps included)."""
+    """Add the records of work that pmap tasks and dataframe operators started (nested too)."""
     expanded: set = set()
     for _ in range(32):  # nesting depth
-        parents = [k for k, r in records.items() if r.get("op") == "pmap" and k not in expanded]
+        parents = [k for k, r in records.items() if r.get("children") and k not in expanded]
         expanded |= set(parents)
         new = {c for k in parents for c in records[k].get("children", ())} - set(records)
         if not new:

@@ -31,12 +31,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Only these tokens may be generated (e.g. the first tokens of "yes" and "no"); () = any.
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+            raise RequestError(f"allowed_token_ids must be token ids, got {self.allowed_token_ids!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0:

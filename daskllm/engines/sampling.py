@@ -23,6 +23,11 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one row of logits."""
+    if params.allowed_token_ids:
+        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+        masked = torch.full_like(logits, float("-inf"))
+        masked[allowed] = logits[allowed]
+        logits = masked
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import string
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,13 +207,21 @@ class PromptTokenizer:
         return tuple(self._encode(text, False))
 
 
-@functools.cache
 def tokenizer_for(model: str) -> PromptTokenizer:
+    with _tokenizer_lock:  # transformers' lazy imports race when first used from several threads
+        return _tokenizer_for(model)
+
+
+@functools.cache
+def _tokenizer_for(model: str) -> PromptTokenizer:
     from transformers import AutoTokenizer
 
     from daskllm.models import resolve
 
     return PromptTokenizer(AutoTokenizer.from_pretrained(resolve(model)))
+
+
+_tokenizer_lock = threading.RLock()
 
 
 def render_value(value) -> str:

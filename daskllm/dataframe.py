@@ -1,0 +1,468 @@
+"""The ``.llm`` accessor: LLM operators over every row of a dask dataframe.
+
+    import daskllm.dataframe  # noqa: F401  (registers the accessor; ``import daskllm`` does too)
+    out = ddf.llm.map("Summarize {doc} in one line:", model="small", max_tokens=32, out="summary")
+    out = out.llm.filter("Is this about files? {summary}")
+    out.to_parquet("summaries/")
+
+Every operator is lazy and composes with dask's expression optimizer. How one runs:
+
+1. **render**: each partition renders its rows' prompts (cheap string work);
+2. **distinct**: ``drop_duplicates`` over the whole table (a Dask tree reduction): identical
+   prompts anywhere in the table become one call (CSE across rows and partitions);
+3. **call**: each partition of distinct prompts, sorted by prompt so shared prefixes are
+   adjacent, becomes one batched daskllm call, planned and placed like any daskllm work (the
+   shared instruction prefilled once per worker, shards placed with model and cache
+   locality by the placement plugin), run from the task (tasks from tasks);
+4. **fan out**: the (small) table of results is broadcast to the row partitions, which look
+   their rows up.
+
+The output is ``ddf.assign(out=...)``, so a column no later step reads is dropped by dask's
+projection pushdown and never generated. A row that fails (prompt too long, output that does
+not parse, budget exhausted) raises naming its index (``on_error="raise"``) or yields null
+with the reason in ``<out>_error`` (``on_error="null"``); the other rows finish either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from dask.dataframe.extensions import register_dataframe_accessor
+
+from daskllm.engines import SamplingParams
+from daskllm.graph.prompt import Slot, Text, _parse_template
+
+STRING = pd.ArrowDtype(pa.string())
+KEY = "_daskllm_key"
+
+
+class RowError(ValueError):
+    """A row's LLM call failed; the message names the row's index."""
+
+
+class BudgetExceeded(RowError):
+    """A budget would be exceeded: the work was not started."""
+
+
+# --- budgets ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A limit on tokens (prompt + max output, reserved before each call) and/or calls, shared by
+    every partition of every operator given it. Work that would go over is never started.
+
+    On a cluster the count lives on the scheduler (a ``distributed.Lock`` and ``Variable``
+    named after the budget); without one, in this process.
+    """
+
+    tokens: int | None = None
+    calls: int | None = None
+    name: str = field(default_factory=lambda: f"daskllm-budget-{uuid.uuid4().hex[:12]}")
+
+    def __post_init__(self):
+        for what in ("tokens", "calls"):
+            value = getattr(self, what)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"Budget({what}=...) must be a non-negative int, got {value!r}")
+
+    def reserve(self, tokens: int, calls: int = 1) -> bool:
+        """Take ``tokens`` and ``calls`` from the budget if both fit; else take nothing."""
+        with self._lock():
+            used = self.used()
+            if (self.tokens is not None and used["tokens"] + tokens > self.tokens) or \
+                    (self.calls is not None and used["calls"] + calls > self.calls):
+                return False
+            self._store({"tokens": used["tokens"] + tokens, "calls": used["calls"] + calls})
+            return True
+
+    def used(self) -> dict:
+        client = _client()
+        if client is None:
+            return dict(_local_budgets.get(self.name, {"tokens": 0, "calls": 0}))
+        from distributed import Variable
+
+        try:
+            return dict(Variable(self.name, client=client).get(timeout=0.5))
+        except TimeoutError:
+            return {"tokens": 0, "calls": 0}
+
+    def _store(self, used: dict) -> None:
+        client = _client()
+        if client is None:
+            _local_budgets[self.name] = used
+        else:
+            from distributed import Variable
+
+            Variable(self.name, client=client).set(used)
+
+    def _lock(self):
+        client = _client()
+        if client is None:
+            return _local_lock
+        from distributed import Lock
+
+        return Lock(self.name)
+
+
+_local_budgets: dict[str, dict] = {}
+_local_lock = threading.Lock()
+
+
+def _client():
+    try:
+        from distributed import get_client
+
+        return get_client()
+    except (ImportError, ValueError):
+        return None
+
+
+# --- operators -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """One LLM operator: what each distinct input becomes. Picklable: it travels to workers."""
+
+    kind: str  # generate | filter | extract | embed | search
+    model: str
+    name: str  # for usage and errors: map, filter, extract, embed, search
+    template: str | None = None
+    sampling: SamplingParams | None = None
+    fields: tuple = ()  # extract: (name, type name)
+    index: object = None  # search: a detached ShardedIndex
+    k: int = 5
+    budget: Budget | None = None
+
+
+def _render(frame: pd.DataFrame, template: str, slots: tuple) -> pd.Series:
+    """Each row's prompt text (the dedupe key); slots render like prompt slots do."""
+    from daskllm.graph.prompt import render_value
+
+    segments = _parse_template(template)
+    columns = {s: frame[s].tolist() for s in slots}
+    out = []
+    for i in range(len(frame)):
+        out.append("".join(seg.text if isinstance(seg, Text) else render_value(columns[seg.name][i])
+                           for seg in segments))
+    return pd.Series(out, index=frame.index, dtype=STRING, name=KEY)
+
+
+@functools.cache
+def _max_len(model: str) -> int:
+    from daskllm.models import resolve
+
+    config = json.loads((resolve(model) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+def _call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
+    """Run ``op`` on a partition of distinct inputs: one batched daskllm call, from this task."""
+    empty = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
+                          "error": pd.Series([], dtype=STRING)})
+    if distinct.empty:
+        return empty
+    distinct = distinct.sort_values(KEY)  # shared prefixes next to each other
+    keys = distinct[KEY].tolist()
+    errors: dict[int, str] = {}
+    cost = _costs(distinct, op)
+    for i, tokens in enumerate(cost):
+        if tokens is None:
+            continue
+        if isinstance(tokens, str):
+            errors[i] = tokens
+        elif op.budget is not None and not op.budget.reserve(tokens, 1):
+            used = op.budget.used()
+            errors[i] = (f"budget exhausted ({used['tokens']} of {op.budget.tokens} tokens, {used['calls']} of "
+                         f"{op.budget.calls} calls used; this call needs {tokens} tokens)")
+    todo = [i for i in range(len(keys)) if i not in errors]
+    values: list = [None] * len(keys)
+    started = time.time()
+    children, requested = [], {}
+    if todo:
+        node = _node(distinct.iloc[todo], op, slots)
+        try:
+            outputs, plan = _compute_nested(node)
+            outputs = outputs if node.batched else [outputs]  # a template without fields: one prompt
+            children, requested = _plan_keys(plan), plan.report.get("requested", {})
+        except Exception as exc:  # noqa: BLE001 - every row of this batch gets the reason
+            outputs = None
+            for i in todo:
+                errors[i] = f"{type(exc).__name__}: {exc}"
+        if outputs is not None:
+            for i, out in zip(todo, outputs):
+                try:
+                    values[i] = _parse(out, op)
+                except ValueError as exc:
+                    errors[i] = str(exc)
+    _record(op.name, distinct=len(keys), executed=len(todo), failed=len(errors), children=children,
+            requested=requested, started=started)
+    return pd.DataFrame({KEY: pd.Series(keys, dtype=STRING), "value": pd.Series(values, dtype=object),
+                         "error": pd.Series([errors.get(i) for i in range(len(keys))], dtype=STRING)})
+
+
+def _costs(distinct: pd.DataFrame, op: Op) -> list:
+    """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
+    if op.kind in ("embed", "search"):
+        return [None] * len(distinct)
+    from daskllm.graph.prompt import tokenizer_for
+
+    tok, limit = tokenizer_for(op.model), _max_len(op.model)
+    out = []
+    for text in distinct[KEY]:
+        n = len(tok.prefix_ids) + len(tok.encode(text))
+        if n + 1 > limit:
+            out.append(f"prompt has {n} tokens; model {op.model!r} holds at most {limit} including one generated")
+        else:
+            out.append(n + op.sampling.max_tokens)
+    return out
+
+
+def _node(rows: pd.DataFrame, op: Op, slots: tuple):
+    """The daskllm call for these rows: one batched node (a builder call) per operator."""
+    import daskllm
+    from daskllm.api import batch
+
+    if op.kind == "embed":
+        return daskllm.embed(batch(rows[KEY].tolist()), model=op.model)
+    if op.kind == "search":
+        return daskllm.search(op.index, batch(rows[KEY].tolist()), k=op.k)
+    template = op.template + _SUFFIX.get(op.kind, "").format(fields=", ".join(f for f, _ in op.fields))
+    values = {s: batch(rows[s].tolist()) for s in slots}
+    if not slots:
+        values = {}
+    p = daskllm.prompt(template, **values)
+    s = op.sampling
+    return daskllm.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos,
+                            allowed_token_ids=_yes_no(op.model) if op.kind == "filter" else ())
+
+
+_SUFFIX = {"filter": "\nAnswer yes or no:",
+           "extract": "\nAnswer with one JSON object with the keys {fields}:\n"}
+
+
+@functools.cache
+def _yes_no(model: str) -> tuple[int, int]:
+    """The first tokens of " yes" and " no": a filter may generate nothing else."""
+    from daskllm.graph.prompt import tokenizer_for
+
+    tok = tokenizer_for(model)
+    yes, no = tok.encode(" yes")[0], tok.encode(" no")[0]
+    if yes == no:
+        raise ValueError(f"model {model!r}: ' yes' and ' no' start with the same token")
+    return yes, no
+
+
+def _parse(output, op: Op):
+    if op.kind == "filter":
+        return output.strip().lower().startswith("y")
+    if op.kind == "extract":
+        return _extract_fields(output, op.fields)
+    if op.kind == "search":
+        return [{"id": int(h.id), "score": float(h.score), "text": h.text} for h in output]
+    return output
+
+
+def _extract_fields(text: str, fields: tuple) -> dict:
+    match = re.search(r"\{.*?\}", text, re.S)
+    snippet = text.strip()[:80]
+    if match is None:
+        raise ValueError(f"output has no JSON object: {snippet!r}")
+    try:
+        obj = json.loads(match.group(0))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"output does not parse as JSON ({exc}): {snippet!r}") from None
+    out = {}
+    for name, kind in fields:
+        if name not in obj:
+            raise ValueError(f"output has no field {name!r}: {snippet!r}")
+        try:
+            out[name] = _CASTS[kind](obj[name])
+        except (TypeError, ValueError):
+            raise ValueError(f"field {name!r} is not {kind}: {obj[name]!r}") from None
+    return out
+
+
+_CASTS = {"str": str, "int": int, "float": float, "bool": bool}
+_DTYPES = {"str": STRING, "int": "Int64", "float": "Float64", "bool": "boolean"}
+
+
+def _compute_nested(node):
+    """Compute a daskllm node from inside a task: planned here, placed by the scheduler plugin."""
+    import dask
+
+    from daskllm.graph.nodes import Joint
+    from daskllm.streaming import in_cluster
+
+    joint = Joint([node])
+    if not in_cluster():
+        return dask.compute(joint)[0][0], joint.lowered
+    from distributed import worker_client
+
+    with worker_client(separate_thread=True) as client:
+        [future] = client.get(joint.lowered.graph, joint.__dask_keys__(), sync=False)
+        return future.result(), joint.lowered
+
+
+def _plan_keys(plan) -> list:
+    return [k for layer in plan.graph.layers.values() for k in layer]
+
+
+def _record(operator: str, **record) -> None:
+    from daskllm.worker import host
+
+    host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = {"op": "dataframe", "operator": operator,
+                                                                   "time": time.time(), **record}
+
+
+def _lookup(keys: pd.Series, table: pd.DataFrame, op_name: str, on_error: str) -> pd.DataFrame:
+    """Each row's value and error, from the broadcast table of distinct results."""
+    if len(keys):
+        _record(op_name, rows=len(keys))
+    values = dict(zip(table[KEY], table["value"]))
+    errors = dict(zip(table[KEY], table["error"]))
+    value = [values.get(k) if isinstance(k, str) else None for k in keys]
+    error = [errors.get(k) if isinstance(k, str) else None for k in keys]
+    error = [None if e is None or e is pd.NA else e for e in error]
+    if on_error == "raise":
+        for index, e in zip(keys.index, error):
+            if e is not None:
+                raise (BudgetExceeded if e.startswith("budget exhausted") else RowError)(
+                    f"{op_name}: row {index!r}: {e}")
+    return pd.DataFrame({"value": pd.Series(value, index=keys.index, dtype=object),
+                         "error": pd.Series(error, index=keys.index, dtype=STRING)})
+
+
+# --- the accessor ----------------------------------------------------------------------------
+
+
+@register_dataframe_accessor("llm")
+class LLMAccessor:
+    """``ddf.llm.map / filter / extract / embed / search``: LLM operators over rows."""
+
+    def __init__(self, ddf):
+        self._ddf = ddf
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _slots(self, template: str) -> tuple:
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"template must be a non-empty str, got {template!r}")
+        slots = tuple(dict.fromkeys(s.name for s in _parse_template(template) if isinstance(s, Slot)))
+        missing = [s for s in slots if s not in self._ddf.columns]
+        if missing:
+            raise KeyError(f"template fields {missing} are not columns; columns are {list(self._ddf.columns)}")
+        return slots
+
+    def _results(self, keys, op: Op, slots: tuple, on_error: str):
+        """Per row (aligned with ``keys``): value and error, each distinct input computed once."""
+        if on_error not in ("raise", "null"):
+            raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
+        frame = self._ddf[list(slots)].assign(**{KEY: keys}) if slots else keys.to_frame()
+        distinct = frame.dropna(subset=[KEY]).drop_duplicates(subset=[KEY])
+        meta = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
+                             "error": pd.Series([], dtype=STRING)})
+        table = distinct.map_partitions(_call, op, slots, meta=meta).repartition(npartitions=1)
+        meta = pd.DataFrame({"value": pd.Series([], dtype=object), "error": pd.Series([], dtype=STRING)})
+        return keys.map_partitions(_lookup, table, op.name, on_error, meta=meta)
+
+    def _with(self, results, out: str, on_error: str, dtype):
+        assigned = {out: results["value"].astype(dtype) if dtype is not None else results["value"]}
+        if on_error == "null":
+            assigned[f"{out}_error"] = results["error"]
+        return self._ddf.assign(**assigned)
+
+    @staticmethod
+    def _sampling(max_tokens, temperature=0.0, seed=None, stop=(), ignore_eos=False) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop,
+                              ignore_eos=ignore_eos)
+
+    def _model(self, model):
+        from daskllm.api import _model
+
+        return _model(model)
+
+    # -- operators ---------------------------------------------------------------------------
+
+    def map(self, template: str, *, model: str | None = None, max_tokens: int = 64, out: str = "llm_output",
+            on_error: str = "raise", budget: Budget | None = None, temperature: float = 0.0,
+            seed: int | None = None, stop=(), ignore_eos: bool = False):
+        """A new text column ``out``: the model's answer to ``template`` filled from each row."""
+        slots = self._slots(template)
+        op = Op("generate", self._model(model), "map", template,
+                self._sampling(max_tokens, temperature, seed, stop, ignore_eos), budget=budget)
+        keys = self._ddf.map_partitions(_render, template, slots, meta=(KEY, STRING))
+        return self._with(self._results(keys, op, slots, on_error), out, on_error, STRING)
+
+    def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
+               budget: Budget | None = None):
+        """The rows the model judges true: its answer to ``predicate`` is constrained to yes/no.
+        With ``on_error="null"`` a row that cannot be judged is dropped."""
+        slots = self._slots(predicate)
+        model = self._model(model)
+        _yes_no(model)  # fail here if the model cannot say yes or no
+        op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget)
+        keys = self._ddf.map_partitions(_render, predicate, slots, meta=(KEY, STRING))
+        results = self._results(keys, op, slots, on_error)
+        return self._ddf[results["value"].fillna(False).astype(bool)]
+
+    def extract(self, template: str, fields: dict, *, model: str | None = None, max_tokens: int = 128,
+                on_error: str = "raise", budget: Budget | None = None):
+        """Structured output: one column per field (``{"name": str, "year": int}``), parsed from a
+        JSON object the model writes."""
+        slots = self._slots(template)
+        if not fields:
+            raise ValueError("extract: fields must name at least one output column")
+        names = {t if isinstance(t, str) else getattr(t, "__name__", "") for t in fields.values()}
+        if not names <= set(_CASTS):
+            raise ValueError(f"extract: field types must be among {sorted(_CASTS)}, got {fields!r}")
+        spec = tuple((f, t if isinstance(t, str) else t.__name__) for f, t in fields.items())
+        op = Op("extract", self._model(model), "extract", template, SamplingParams(max_tokens=max_tokens),
+                fields=spec, budget=budget)
+        keys = self._ddf.map_partitions(_render, template, slots, meta=(KEY, STRING))
+        results = self._results(keys, op, slots, on_error)
+        columns = {}
+        for name, kind in spec:
+            columns[name] = results["value"].map(lambda v, n=name: None if v is None else v[n],
+                                                 meta=(name, object)).astype(_DTYPES[kind])
+        if on_error == "null":
+            columns["extract_error"] = results["error"]
+        return self._ddf.assign(**columns)
+
+    def embed(self, column: str, *, model: str | None = None, out: str | None = None):
+        """A column of embedding vectors (numpy arrays) of a text column."""
+        from daskllm.api import _model
+
+        self._column(column)
+        op = Op("embed", _model(model, "embed"), "embed")
+        keys = self._ddf[column].astype(STRING).rename(KEY)
+        return self._with(self._results(keys, op, (), "raise"), out or f"{column}_embedding", "raise", None)
+
+    def search(self, index, column: str, *, k: int = 5, out: str | None = None):
+        """A column of the ``k`` nearest documents (dicts of id, score, text) for each row's text."""
+        from daskllm.retrieval import ShardedIndex
+
+        if not isinstance(index, ShardedIndex):
+            raise TypeError(f"search: index must be a ShardedIndex, got {type(index).__name__}")
+        self._column(column)
+        op = Op("search", index.embedder, "search", index=index.detached(), k=k)
+        keys = self._ddf[column].astype(STRING).rename(KEY)
+        return self._with(self._results(keys, op, (), "raise"), out or f"{column}_hits", "raise", None)
+
+    def _column(self, column: str) -> None:
+        if column not in self._ddf.columns:
+            raise KeyError(f"{column!r} is not a column; columns are {list(self._ddf.columns)}")
+
+
+__all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "RowError"]

@@ -1,0 +1,145 @@
+"""The ``.llm`` dataframe accessor on a multi-process cluster with the tiny LLM and MiniLM."""
+
+from __future__ import annotations
+
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+from distributed import Client
+
+import daskllm
+from daskllm import LocalLLMCluster
+from daskllm.dataframe import Budget, BudgetExceeded, RowError, _extract_fields, _yes_no
+
+from helpers import cold_start
+
+QUESTIONS = ["How do I read JSON?", "How do I parse CSV?", "How do I sort a list?", "How do I open a file?"]
+TEMPLATE = "Answer in one line. Q: {q}\nA:"
+
+
+def table(repeat: int = 4, npartitions: int = 3) -> dd.DataFrame:
+    """Rows with many duplicate prompts (each question `repeat` times), pyarrow strings."""
+    df = pd.DataFrame({"q": QUESTIONS * repeat, "n": range(len(QUESTIONS) * repeat)})
+    df["q"] = df["q"].astype(pd.ArrowDtype(pa.string()))
+    return dd.from_pandas(df, npartitions=npartitions)
+
+
+def naive(question: str, max_tokens: int = 6, **kw) -> str:
+    node = daskllm.generate(daskllm.prompt(TEMPLATE, q=question), max_tokens=max_tokens, **kw)
+    return daskllm.compute(node, passes=[], granularity="query", result_cache=False)[0]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=4, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def cold(client):
+    cold_start(client)
+
+
+def test_map_runs_each_distinct_prompt_once_and_matches_the_naive_calls(client):
+    with daskllm.usage() as u:
+        out = table().llm.map(TEMPLATE, max_tokens=6, out="answer").compute()
+    assert list(out.columns) == ["q", "n", "answer"] and len(out) == 16
+    assert isinstance(out["answer"].dtype, pd.ArrowDtype)
+    expected = {q: naive(q) for q in QUESTIONS}
+    assert out["answer"].tolist() == [expected[q] for q in out["q"]]
+    stats = u.operators["map"]
+    assert stats["rows"] == 16 and stats["distinct"] == 4 and stats["executed"] == 4
+    assert u.executed["generate"] == 4 and u.decode_tokens == 4 * 6
+
+
+def test_an_unread_column_is_never_generated(client):
+    mapped = table().llm.map(TEMPLATE, max_tokens=6, out="answer")
+    with daskllm.usage() as u:
+        kept = mapped[["n"]].compute()
+    assert len(kept) == 16
+    assert u.executed.get("generate", 0) == 0 and "map" not in u.operators
+
+
+def test_a_budget_stops_before_going_over_and_keeps_what_finished(client):
+    budget = Budget(tokens=60)
+    with pytest.raises(BudgetExceeded, match=r"row \d+: budget exhausted"):
+        table().llm.map(TEMPLATE, max_tokens=6, budget=budget).compute()
+    assert budget.used()["tokens"] <= 60
+
+    budget = Budget(calls=2)
+    out = table(npartitions=1).llm.map(TEMPLATE, max_tokens=6, out="a", on_error="null", budget=budget).compute()
+    done = out["a"].notna()
+    assert out.loc[done, "q"].nunique() == 2 and budget.used()["calls"] == 2
+    assert out.loc[~done, "a_error"].str.startswith("budget exhausted").all()
+
+
+def test_on_error_raise_names_the_row_and_null_keeps_the_others(client):
+    df = pd.DataFrame({"q": QUESTIONS + ["word " * 5000]}, index=[10, 11, 12, 13, 14])
+    ddf = dd.from_pandas(df, npartitions=2)
+    with pytest.raises(RowError, match=r"row 14: prompt has \d+ tokens"):
+        ddf.llm.map(TEMPLATE, max_tokens=4).compute()
+    out = ddf.llm.map(TEMPLATE, max_tokens=4, out="a", on_error="null").compute()
+    assert out["a"].isna().tolist() == [False] * 4 + [True]
+    assert "prompt has" in out.loc[14, "a_error"] and out.loc[10:13, "a_error"].isna().all()
+    assert out.loc[10, "a"] == naive(QUESTIONS[0], max_tokens=4)
+
+
+def test_filter_keeps_the_rows_the_model_says_yes_to(client):
+    predicate = "Is this about files? {q}"
+    kept = table().llm.filter(predicate).compute()
+    answers = {q: daskllm.generate(daskllm.prompt(predicate + "\nAnswer yes or no:", q=q), max_tokens=1,
+                                   allowed_token_ids=_yes_no("tiny")).compute() for q in QUESTIONS}
+    assert all(a.strip() in ("yes", "no") for a in answers.values())
+    assert sorted(kept["n"]) == [n for n, q in enumerate(QUESTIONS * 4) if answers[q].strip() == "yes"]
+
+
+def test_extract_parses_json_fields_and_reports_rows_that_do_not(client):
+    assert _extract_fields('Sure: {"module": "json", "year": "2001"} done', (("module", "str"), ("year", "int"))) \
+        == {"module": "json", "year": 2001}
+    with pytest.raises(ValueError, match="no field 'year'"):
+        _extract_fields('{"module": "json"}', (("module", "str"), ("year", "int")))
+    # The tiny model has random weights: it writes no JSON, and every row says so.
+    out = table().llm.extract("Which module? {q}", {"module": str, "year": int}, max_tokens=8,
+                              on_error="null").compute()
+    assert list(out.columns) == ["q", "n", "module", "year", "extract_error"]
+    assert out["module"].isna().all() and out["extract_error"].str.contains("JSON").all()
+    with pytest.raises(RowError, match=r"extract: row \d+: output has no JSON object"):
+        table().llm.extract("Which module? {q}", {"module": str}, max_tokens=8).compute()
+
+
+def test_embed_and_search_columns(client):
+    docs = ["json: encode and decode JSON", "csv: read and write CSV files", "pathlib: filesystem paths",
+            "heapq: heap queue", "sorted: return a new sorted list"]
+    index = daskllm.ShardedIndex.from_texts(client, "df-docs", docs)
+    try:
+        out = table(repeat=1, npartitions=2).llm.embed("q").llm.search(index, "q", k=2).compute()
+        vectors = np.stack(out["q_embedding"].tolist())
+        expected = np.stack(daskllm.embed(QUESTIONS).compute())
+        assert np.allclose(vectors, expected, atol=1e-6)
+        direct = index.search(QUESTIONS, k=2)
+        assert [[h["id"] for h in hits] for hits in out["q_hits"]] == [[h.id for h in hits] for hits in direct]
+    finally:
+        index.drop()
+
+
+def test_parquet_round_trip(client, tmp_path):
+    out = table().llm.map(TEMPLATE, max_tokens=6, out="answer")
+    out.to_parquet(tmp_path / "answers")
+    back = dd.read_parquet(tmp_path / "answers").compute()
+    assert back["answer"].tolist() == out.compute()["answer"].tolist()
+    assert isinstance(back["answer"].dtype, pd.ArrowDtype) or str(back["answer"].dtype).startswith("string")
+
+
+def test_bad_arguments_fail_at_build_time(client):
+    ddf = table()
+    with pytest.raises(KeyError, match=r"\['missing'\] are not columns"):
+        ddf.llm.map("Q: {missing}")
+    with pytest.raises(ValueError, match="on_error"):
+        ddf.llm.map(TEMPLATE, on_error="ignore")
+    with pytest.raises(ValueError, match="field types"):
+        ddf.llm.extract(TEMPLATE, {"x": list})
+    with pytest.raises(ValueError, match="non-negative"):
+        Budget(tokens=-1)
