@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from dask.dataframe.extensions import register_dataframe_accessor
+from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from daskllm.engines import SamplingParams
 from daskllm.graph.prompt import Slot, Text, _parse_template
@@ -213,7 +213,7 @@ def _call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
 
 def _costs(distinct: pd.DataFrame, op: Op) -> list:
     """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
-    if op.kind in ("embed", "search"):
+    if op.kind in ("embed", "search", "rerank"):
         return [None] * len(distinct)
     from daskllm.graph.prompt import tokenizer_for
 
@@ -237,19 +237,23 @@ def _node(rows: pd.DataFrame, op: Op, slots: tuple):
         return daskllm.embed(batch(rows[KEY].tolist()), model=op.model)
     if op.kind == "search":
         return daskllm.search(op.index, batch(rows[KEY].tolist()), k=op.k)
+    if op.kind == "rerank":
+        pairs = [json.loads(k) for k in rows[KEY]]
+        return daskllm.rerank(batch([q for q, _ in pairs]), batch([d for _, d in pairs]), k=op.k, model=op.model)
     template = op.template + _SUFFIX.get(op.kind, "").format(fields=", ".join(f for f, _ in op.fields))
     values = {s: batch(rows[s].tolist()) for s in slots}
     if not slots:
         values = {}
     p = daskllm.prompt(template, **values)
     s = op.sampling
+    allowed = _yes_no(op.model) if op.kind == "filter" else _digits(op.model) if op.kind == "rate" else ()
     return daskllm.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos,
-                            allowed_token_ids=_yes_no(op.model) if op.kind == "filter" else ())
+                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=allowed)
 
 
 _SUFFIX = {"filter": "\nAnswer yes or no:",
-           "extract": "\nAnswer with one JSON object with the keys {fields}:\n"}
+           "extract": "\nAnswer with one JSON object with the keys {fields}:\n",
+           "rate": "\nRate this from 0 (not at all) to 9 (fully), one digit:"}
 
 
 @functools.cache
@@ -264,9 +268,23 @@ def _yes_no(model: str) -> tuple[int, int]:
     return yes, no
 
 
+@functools.cache
+def _digits(model: str) -> tuple[int, ...]:
+    """The tokens of " 0" ... " 9" (their first tokens): a rating may generate nothing else."""
+    from daskllm.graph.prompt import tokenizer_for
+
+    tok = tokenizer_for(model)
+    ids = tuple(tok.encode(f" {d}")[0] for d in range(10))
+    if len(set(ids)) != 10:
+        raise ValueError(f"model {model!r}: the digits 0-9 do not start with distinct tokens")
+    return ids
+
+
 def _parse(output, op: Op):
     if op.kind == "filter":
         return output.strip().lower().startswith("y")
+    if op.kind == "rate":
+        return int(output.strip()[:1])
     if op.kind == "extract":
         return _extract_fields(output, op.fields)
     if op.kind == "search":
@@ -344,12 +362,70 @@ def _lookup(keys: pd.Series, table: pd.DataFrame, op_name: str, on_error: str) -
                          "error": pd.Series(error, index=keys.index, dtype=STRING)})
 
 
+def _pair_keys(frame: pd.DataFrame) -> pd.Series:
+    """A rerank input as one dedupe key: the query and its documents, as JSON."""
+    query, docs = frame.columns
+    for index, ds in zip(frame.index, frame[docs]):
+        if isinstance(ds, str) or not hasattr(ds, "__iter__"):
+            raise RowError(f"rerank: row {index!r}: {docs!r} must hold a list of documents, got "
+                           f"{type(ds).__name__} (dask turns object columns into strings unless "
+                           f"dataframe.convert-string is off; parquet list columns stay lists)")
+    keys = [json.dumps([str(q), [str(d) for d in ds]]) for q, ds in zip(frame[query], frame[docs])]
+    return pd.Series(keys, index=frame.index, dtype=STRING, name=KEY)
+
+
+def _sim_join(left: pd.DataFrame, right: pd.DataFrame, k: int, suffixes) -> pd.DataFrame:
+    lvec, rvec = "_daskllm_left_vec", "_daskllm_right_vec"
+    lcols = [c for c in left.columns if c != lvec]
+    rcols = [c for c in right.columns if c != rvec]
+    names = {c: c + suffixes[1] if c in lcols else c for c in rcols}
+    rows = []
+    if len(left) and len(right):
+        a = np.stack(left[lvec].tolist())
+        b = np.stack(right[rvec].tolist())
+        a = a / np.linalg.norm(a, axis=1, keepdims=True)
+        b = b / np.linalg.norm(b, axis=1, keepdims=True)
+        scores = a @ b.T
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        for i, js in enumerate(best):
+            for j in js:
+                rows.append((i, j, float(scores[i, j])))
+    li = [r[0] for r in rows]
+    ri = [r[1] for r in rows]
+    out = left[lcols].iloc[li].rename(columns={c: c + suffixes[0] for c in lcols})
+    joined = right[rcols].iloc[ri].rename(columns=names).set_axis(out.index)
+    return pd.concat([out, joined], axis=1).assign(similarity=pd.Series([r[2] for r in rows], index=out.index,
+                                                                         dtype="float64"))
+
+
+def _summarize(texts: list[str], model: str, sampling: SamplingParams, instruction: str) -> str:
+    import daskllm
+
+    if not texts:
+        return ""
+    # The instruction first: every summary call of the tree shares it as a cached prefix.
+    node = daskllm.generate(daskllm.prompt(instruction, "\n".join(texts), "\nSummary:"), model=model,
+                            max_tokens=sampling.max_tokens)
+    summary, plan = _compute_nested(node)
+    _record("agg", distinct=1, executed=1, failed=0, children=_plan_keys(plan),
+            requested=plan.report.get("requested", {}), rows=len(texts))
+    return summary
+
+
+def _summarize_chunk(keys: pd.Series, model, sampling, instruction) -> str:
+    return _summarize([k for k in keys if isinstance(k, str)], model, sampling, instruction)
+
+
+def _summarize_parts(parts, model, sampling, instruction) -> str:
+    return _summarize([p for p in parts if p], model, sampling, instruction)
+
+
 # --- the accessor ----------------------------------------------------------------------------
 
 
 @register_dataframe_accessor("llm")
 class LLMAccessor:
-    """``ddf.llm.map / filter / extract / embed / search``: LLM operators over rows."""
+    """``ddf.llm.map / filter / extract / embed / search / rerank / sim_join / topk / agg``."""
 
     def __init__(self, ddf):
         self._ddf = ddf
@@ -460,9 +536,84 @@ class LLMAccessor:
         keys = self._ddf[column].astype(STRING).rename(KEY)
         return self._with(self._results(keys, op, (), "raise"), out or f"{column}_hits", "raise", None)
 
+    def rerank(self, query_column: str, docs_column: str, *, k: int | None = None, model: str | None = None,
+               out: str | None = None):
+        """A column of each row's documents (a list of str) reordered by relevance to its query,
+        the ``k`` best first."""
+        from daskllm.api import _model
+
+        self._column(query_column)
+        self._column(docs_column)
+        op = Op("rerank", _model(model, "embed"), "rerank", k=k)
+        keys = self._ddf[[query_column, docs_column]].map_partitions(_pair_keys, meta=(KEY, STRING))
+        return self._with(self._results(keys, op, (), "raise"), out or f"{docs_column}_reranked", "raise", None)
+
+    def sim_join(self, other, left_on: str, right_on: str, *, k: int = 1, model: str | None = None,
+                 suffixes: tuple[str, str] = ("", "_right")):
+        """Each row of this table joined to the ``k`` rows of ``other`` whose ``right_on`` text is
+        most similar to its ``left_on`` text (cosine of embeddings), with a ``similarity`` column.
+        ``other`` is embedded once and broadcast to this table's partitions."""
+        self._column(left_on)
+        other.llm._column(right_on)
+        left = self.embed(left_on, model=model, out="_daskllm_left_vec")
+        right = other.llm.embed(right_on, model=model, out="_daskllm_right_vec").repartition(npartitions=1)
+        meta = _sim_join(left._meta, right._meta, k, suffixes)
+        return left.map_partitions(_sim_join, right, k, suffixes, meta=meta)
+
+    def topk(self, criterion: str, k: int, *, model: str | None = None, out: str = "rating",
+             budget: Budget | None = None):
+        """The ``k`` rows that best meet ``criterion`` (a template with ``{column}`` fields): the
+        model rates each row 0-9 (one token, constrained to digits), then Dask's tree reduction
+        ``nlargest`` keeps the best, ties in table order."""
+        slots = self._slots(criterion)
+        op = Op("rate", self._model(model), "topk", criterion, SamplingParams(max_tokens=1), budget=budget)
+        keys = self._ddf.map_partitions(_render, criterion, slots, meta=(KEY, STRING))
+        rated = self._with(self._results(keys, op, slots, "raise"), out, "raise", "int64")
+        return rated.nlargest(k, out)
+
+    def agg(self, template: str, *, model: str | None = None, max_tokens: int = 64, split_every: int = 8,
+            instruction: str = "Summarize the following in a few sentences:\n"):
+        """One text summarizing the whole table, map-reduce style (Dask's tree reduction): each
+        partition's rows (``template`` filled per row) are summarized, then groups of
+        ``split_every`` summaries, until one is left. Returns a lazy dask scalar."""
+        slots = self._slots(template)
+        model = self._model(model)
+        sampling = SamplingParams(max_tokens=max_tokens)
+        keys = self._ddf.map_partitions(_render, template, slots, meta=(KEY, STRING))
+        return keys.reduction(_summarize_chunk, aggregate=_summarize_parts, combine=_summarize_parts,
+                              split_every=split_every, meta=(None, object),
+                              chunk_kwargs=dict(model=model, sampling=sampling, instruction=instruction),
+                              aggregate_kwargs=dict(model=model, sampling=sampling, instruction=instruction),
+                              combine_kwargs=dict(model=model, sampling=sampling, instruction=instruction))
+
     def _column(self, column: str) -> None:
         if column not in self._ddf.columns:
             raise KeyError(f"{column!r} is not a column; columns are {list(self._ddf.columns)}")
 
 
-__all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "RowError"]
+@register_series_accessor("llm")
+class LLMSeriesAccessor:
+    """``series.llm.map / filter / embed``: the frame operators on a series' values, which
+    templates name by the series' name (``{text}`` for a series named ``text``)."""
+
+    def __init__(self, series):
+        if series.name is None:
+            raise ValueError("series.llm needs a named series (templates refer to it by name)")
+        self._series = series
+
+    def _frame(self):
+        return self._series.to_frame()
+
+    def map(self, template: str, **options):
+        out = options.pop("out", "llm_output")
+        return self._frame().llm.map(template, out=out, **options)[out]
+
+    def filter(self, predicate: str, **options):
+        return self._frame().llm.filter(predicate, **options)[self._series.name]
+
+    def embed(self, **options):
+        out = options.pop("out", None) or f"{self._series.name}_embedding"
+        return self._frame().llm.embed(self._series.name, out=out, **options)[out]
+
+
+__all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "LLMSeriesAccessor", "RowError"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -143,3 +144,71 @@ def test_bad_arguments_fail_at_build_time(client):
         ddf.llm.extract(TEMPLATE, {"x": list})
     with pytest.raises(ValueError, match="non-negative"):
         Budget(tokens=-1)
+
+
+def test_rerank_orders_each_rows_documents(client):
+    docs = [["csv: read and write CSV files", "json: encode and decode JSON", "heapq: heap queue"]] * 4
+    with dask.config.set({"dataframe.convert-string": False}):  # keep the lists lists
+        ddf = dd.from_pandas(pd.DataFrame({"q": QUESTIONS, "docs": docs}), npartitions=2)
+        out = ddf.llm.rerank("q", "docs", k=2).compute()
+    with pytest.raises(RowError, match="must hold a list"):
+        dd.from_pandas(pd.DataFrame({"q": QUESTIONS, "docs": ["a"] * 4}), npartitions=1).llm.rerank(
+            "q", "docs").compute()
+    for q, ranked in zip(out["q"], out["docs_reranked"]):
+        assert ranked == daskllm.rerank(q, docs[0], k=2).compute()
+    assert len(out) == 4
+
+
+def test_sim_join_pairs_rows_with_their_most_similar_rows(client):
+    left = dd.from_pandas(pd.DataFrame({"q": QUESTIONS, "n": range(4)}), npartitions=2)
+    right = dd.from_pandas(pd.DataFrame({"doc": ["json: encode and decode JSON", "csv: read and write CSV files",
+                                                 "sorted: return a new sorted list", "open: open a file"],
+                                         "n": range(4)}), npartitions=2)
+    out = left.llm.sim_join(right, "q", "doc", k=2).compute()
+    assert list(out.columns) == ["q", "n", "doc", "n_right", "similarity"] and len(out) == 8
+    vq = np.stack(daskllm.embed(QUESTIONS).compute())
+    vd = np.stack(daskllm.embed(right["doc"].compute().tolist()).compute())
+    sims = (vq / np.linalg.norm(vq, axis=1, keepdims=True)) @ (vd / np.linalg.norm(vd, axis=1, keepdims=True)).T
+    for i, q in enumerate(QUESTIONS):
+        best = out[out["q"] == q]
+        assert best["n_right"].tolist() == list(np.argsort(-sims[i], kind="stable")[:2])
+        assert np.allclose(best["similarity"], np.sort(sims[i])[::-1][:2], atol=1e-5)
+
+
+def test_topk_keeps_the_best_rated_rows(client):
+    with daskllm.usage() as u:
+        best = table(repeat=2).llm.topk("How useful is this question? {q}", 3).compute()
+    rated = table(repeat=2).llm.map("How useful is this question? {q}", max_tokens=1, out="r").compute()
+    assert len(best) == 3 and best["rating"].between(0, 9).all()
+    assert best["rating"].is_monotonic_decreasing
+    assert u.operators["topk"]["executed"] == 4  # 8 rows, 4 distinct questions
+    assert len(rated) == 8
+
+
+def test_agg_summarizes_the_table_as_a_tree(client):
+    ddf = table(repeat=2, npartitions=4)
+    with daskllm.usage() as u:
+        summary = ddf.llm.agg("Q: {q}", max_tokens=8, split_every=2).compute()
+    assert isinstance(summary, str) and summary
+    # 4 partition summaries, then 2, then 1 (split_every=2): 7 summary calls.
+    assert u.operators["agg"]["executed"] == 7
+
+
+def test_series_accessor(client):
+    s = table()["q"]
+    mapped = s.llm.map(TEMPLATE, max_tokens=6).compute()
+    expected = {q: naive(q) for q in QUESTIONS}
+    assert mapped.tolist() == [expected[q] for q in s.compute()]
+    assert len(s.llm.embed().compute()) == 16
+    with pytest.raises(ValueError, match="named series"):
+        dd.from_pandas(pd.Series(["a"]), npartitions=1).llm
+
+
+def test_dask_progress_bar_follows_an_llm_job(client, capsys):
+    from distributed import progress
+
+    out = table().llm.map(TEMPLATE, max_tokens=6, out="answer").persist()
+    progress(out)  # the text bar, as in a terminal; returns when the job is done
+    captured = capsys.readouterr()
+    assert "100%" in captured.out + captured.err
+    assert len(out.compute()) == 16
