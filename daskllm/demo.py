@@ -1,9 +1,10 @@
-"""The main job: a batch of real generations through the daskllm task graph.
+"""The main job: a batch of real generations through the daskllm task graph, then a table job.
 
 A local cluster starts with the embedded engine on every worker. The questions are one
 batched ``daskllm.generate`` over a shared system prompt: the rewrite passes give the shared
 prefix its own prefill task and cut the batch into shards, the placement plugin puts each
-shard where its prefix is cached, and ``daskllm.usage()`` reports what really ran.
+shard where its prefix is cached, and ``daskllm.usage()`` reports what really ran. The table
+job runs ``ddf.llm.map`` over rows of the standard-library table.
 """
 
 from __future__ import annotations
@@ -41,6 +42,28 @@ TOPICS = [
 def questions(n: int) -> list[str]:
     return [f"User: How do I {TOPICS[i % len(TOPICS)]}{' (variant %d)' % (i // len(TOPICS)) if i >= len(TOPICS) else ''}?\n"
             f"Assistant:" for i in range(n)]
+
+
+def table_job(model: str, rows: int = 400, max_tokens: int = 12, echo=print) -> dict:
+    """A batch-analytics job: ``ddf.llm.map`` over rows of the standard-library table."""
+    import dask.dataframe as dd
+
+    import daskllm
+    from daskllm.corpus import stdlib_docs
+
+    docs = dd.from_pandas(stdlib_docs(limit=rows)[["qualname", "module"]], npartitions=4)
+    echo(f"\nA table job: ddf.llm.map over {rows} rows of the standard-library table ...")
+    t0 = time.perf_counter()
+    with daskllm.usage() as usage:
+        out = docs.llm.map("In one line, what is the {module} module for?", model=model, max_tokens=max_tokens,
+                           out="purpose").compute()
+    elapsed = time.perf_counter() - t0
+    stats = usage.operators.get("map", {})
+    echo(out.head(3).to_string(max_colwidth=60))
+    echo(f"{len(out)} rows in {elapsed:.2f}s: {stats.get('executed', 0)} model calls for "
+         f"{out['module'].nunique()} distinct prompts (identical prompts run once)")
+    return {"rows": len(out), "seconds": elapsed, "calls": stats.get("executed", 0),
+            "distinct_prompts": int(out["module"].nunique())}
 
 
 def run(model: str = "small", n_workers: int = 1, n_requests: int = 32, max_tokens: int = 32,
@@ -90,6 +113,7 @@ def run(model: str = "small", n_workers: int = 1, n_requests: int = 32, max_toke
             for name, s in engines.items():
                 echo(f"  {worker} {name}: prefill computed {s['prefill_tokens_computed']}, cached "
                      f"{s['prefill_tokens_cached']}, decoded {s['decode_tokens']}, mean batch {s['mean_batch_size']:.1f}")
+        summary["table"] = table_job(model, max_tokens=min(max_tokens, 12), echo=echo)
         echo(f"Dashboard: {cluster.dashboard_link}")
         if keep_alive:
             echo(f"Keeping the cluster up for {keep_alive:.0f}s (Ctrl-C to stop) ...")
