@@ -49,7 +49,8 @@ class LocalLLMCluster(LocalCluster):
     dicts or :class:`~daskllm.engines.EngineSpec` objects. By default every worker also holds
     the MiniLM embedder and a bi-encoder reranker sharing its weights. The scheduler runs the
     :class:`~daskllm.placement.PlacementPlugin` with ``placement`` (a policy name; default
-    from ``daskllm.placement.policy``) and the :class:`~daskllm.streaming.StreamJanitor`. Every model is
+    from ``daskllm.placement.policy``), the :class:`~daskllm.streaming.StreamJanitor` and the
+dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model is
     resolved (and built, for a recipe, once) before any worker starts, so a bad name fails
     here with a clear error rather than in every worker.
     """
@@ -62,6 +63,7 @@ class LocalLLMCluster(LocalCluster):
                  placement: str | None = None, **kwargs):
         from daskllm.models import resolve
         from daskllm.placement import PlacementPlugin
+        from daskllm.dashboard import DashboardPlugin
         from daskllm.streaming import StreamJanitor
 
         placement = placement or config.get("placement.policy")
@@ -85,8 +87,8 @@ class LocalLLMCluster(LocalCluster):
         # Start with no workers, then scale: LocalCluster's own start-up bypasses
         # new_worker_spec, which is where each GPU worker gets its device.
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
-        scheduler_kwargs.setdefault("plugins", [StreamJanitor()] + ([PlacementPlugin(placement)]
-                                                                    if placement != "off" else []))
+        scheduler_kwargs.setdefault("plugins", [StreamJanitor(), DashboardPlugin()]
+                                    + ([PlacementPlugin(placement)] if placement != "off" else []))
         # Dask starts workers with MALLOC_TRIM_THRESHOLD_=65536, which makes torch's many
         # short-lived buffers slow (measured: prefill and embedding 30-50% slower).
         with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):

@@ -91,7 +91,23 @@ class EngineHost(WorkerPlugin):
             # plugin's shadow of this worker's caches.
             "cache": {name: [format(h, "x") for h in itertools.islice(e.cache_state().resident_hashes, 16384)]
                       for name, e in self.engines.get("llm", {}).items() if hasattr(e, "cache_state")},
+            **({"gpu": gpu} if (gpu := gpu_metrics()) else {}),
         }
+
+
+def gpu_metrics() -> dict | None:
+    """Utilization and memory of this worker's GPU (the first visible one), from NVML; None on
+    a CPU worker or without NVML, never an error."""
+    try:
+        from distributed.diagnostics import nvml
+
+        if nvml.device_get_count() < 1:
+            return None
+        now, once = nvml.real_time(), nvml.one_time()
+        return {"name": once.get("name"), "utilization": now.get("utilization"),
+                "memory_used": now.get("memory-used"), "memory_total": once.get("memory-total")}
+    except Exception:  # noqa: BLE001 - no driver, no library, a MIG quirk: no GPU metrics
+        return None
 
 
 def _connected(worker) -> bool:

@@ -2,11 +2,13 @@
 
 Adds :class:`daskllm.placement.PlacementPlugin`, which places LLM tasks with model, cache
 and load locality (policies: cache_aware, round_robin, least_loaded, prefix_affinity, off),
-and :class:`daskllm.streaming.StreamJanitor`, which deletes the queues of finished streams.
+and :class:`daskllm.streaming.StreamJanitor`, which deletes the queues of finished streams,
+and the dashboard's LLM page (``/llm``), ``/llm/metrics.json`` and ``daskllm_*`` Prometheus lines.
 """
 
 import click
 
+from daskllm.dashboard import DashboardPlugin
 from daskllm.placement import POLICIES, PlacementPlugin
 from daskllm.streaming import StreamJanitor
 
@@ -17,3 +19,4 @@ from daskllm.streaming import StreamJanitor
 def dask_setup(scheduler, policy):
     scheduler.add_plugin(PlacementPlugin(policy), name=PlacementPlugin.name)
     scheduler.add_plugin(StreamJanitor(), name=StreamJanitor.name)
+    scheduler.add_plugin(DashboardPlugin(), name=DashboardPlugin.name)

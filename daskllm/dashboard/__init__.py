@@ -1,0 +1,89 @@
+"""Monitoring in the Dask dashboard: the ``/llm`` page, ``/llm/metrics.json`` and Prometheus lines.
+
+:func:`install` adds them to a running scheduler (the scheduler preload and
+``LocalLLMCluster`` call it): the Bokeh page joins the dashboard (and its menu), the JSON
+route and the Prometheus collector read the same numbers. Every route is read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from distributed import SchedulerPlugin
+from distributed.http.utils import RequestHandler
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsJSON(RequestHandler):
+    """``GET /llm/metrics.json``: the LLM metrics snapshot (read-only)."""
+
+    def get(self):
+        from daskllm.dashboard.metrics import snapshot
+
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps(snapshot(self.server), default=str))
+
+
+_collector = None
+
+
+def install(scheduler) -> bool:
+    """Add the page, the JSON route and the Prometheus collector; False if the scheduler has no
+    dashboard (nothing to add to). Never raises: monitoring must not stop a scheduler."""
+    try:
+        application = getattr(scheduler, "http_application", None)
+        if application is None:
+            return False
+        application.add_handlers(r".*", [(r"/llm/metrics.json", MetricsJSON, {"dask_server": scheduler})])
+        _install_prometheus(scheduler)
+        _install_page(scheduler, application)
+        return True
+    except Exception:  # noqa: BLE001
+        logger.exception("daskllm: could not add the dashboard page")
+        return False
+
+
+def _install_prometheus(scheduler) -> None:
+    global _collector
+    try:
+        import prometheus_client
+    except ImportError:
+        return
+    from daskllm.dashboard.metrics import PrometheusCollector
+
+    if _collector is None:
+        _collector = PrometheusCollector(scheduler)
+        prometheus_client.REGISTRY.register(_collector)
+    _collector.scheduler = scheduler  # several schedulers in one process (tests): the latest
+
+
+def _install_page(scheduler, application) -> None:
+    try:
+        from distributed.dashboard.core import BokehApplication
+        from distributed.dashboard.scheduler import template_variables
+    except ImportError:  # bokeh not installed: no dashboard at all
+        return
+    from tornado.ioloop import IOLoop
+
+    from daskllm.dashboard.page import llm_doc
+
+    variables = template_variables(scheduler)
+    if "llm" not in variables["pages"]:
+        variables["pages"].append("llm")  # the dashboard's menu
+    app = BokehApplication({"/llm": llm_doc}, scheduler, prefix="/", template_variables=variables)
+    application.add_application(app)
+    app.initialize(IOLoop.current())
+
+
+class DashboardPlugin(SchedulerPlugin):
+    """Installs the LLM page and routes when the scheduler starts (its HTTP server is up by then)."""
+
+    name = "daskllm-dashboard"
+
+    async def start(self, scheduler) -> None:
+        install(scheduler)
+
+
+__all__ = ["DashboardPlugin", "MetricsJSON", "install"]

@@ -1,0 +1,217 @@
+"""The LLM page, /llm/metrics.json and Prometheus lines, fetched over HTTP while a job runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from distributed import Client
+from distributed.utils_test import poll_for
+
+import daskllm
+from daskllm import LocalLLMCluster
+from daskllm.worker import gpu_metrics
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=4, dashboard_address="127.0.0.1:0") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster) as client:
+        yield client
+
+
+def base(cluster) -> str:
+    return cluster.dashboard_link.rsplit("/", 1)[0]
+
+
+def fetch(url: str, method: str = "GET") -> tuple[int, str]:
+    request = urllib.request.Request(url, method=method, data=b"{}" if method != "GET" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def metrics(cluster) -> dict:
+    status, body = fetch(base(cluster) + "/llm/metrics.json")
+    assert status == 200
+    return json.loads(body)
+
+
+def long_job(client):
+    questions = [f"Question {i}: how do I read file number {i}?" for i in range(48)]
+    node = daskllm.generate(daskllm.prompt("You answer questions about files.\n{q}\nA:", q=questions),
+                            max_tokens=48, ignore_eos=True)
+    return client.compute(node)
+
+
+def decoded(snapshot: dict) -> int:
+    return sum(e.get("decode_tokens", 0) for w in snapshot["workers"].values() for e in w["engines"].values()
+               if e["kind"] == "llm")
+
+
+def test_metrics_json_moves_while_a_job_runs(client, cluster):
+    before = metrics(cluster)
+    assert set(before["workers"]) == set(client.scheduler_info()["workers"])
+    for w in before["workers"].values():
+        assert w["models"]["llm"] == ["tiny"] and "tiny" in w["engines"]
+        assert {"running", "waiting", "cache_blocks_used", "cache_blocks_total", "prefix_cache_hit_rate",
+                "mean_batch_size", "decode_tokens_per_s"} <= set(w["engines"]["tiny"])
+        assert "gpu" not in w  # CPU workers: no GPU section, and no error
+    future = long_job(client)
+    poll_for(lambda: decoded(metrics(cluster)) > decoded(before), timeout=30)
+    during = metrics(cluster)
+    rates = [e["decode_tokens_per_s"] for w in during["workers"].values() for e in w["engines"].values()
+             if e["kind"] == "llm"]
+    future.result()
+    poll_for(lambda: decoded(metrics(cluster)) >= decoded(before) + 48 * 48, timeout=30)
+    assert max(rates) > 0 or decoded(metrics(cluster)) > decoded(during)
+    assert sum(metrics(cluster)["placement"]["decisions"].values()) > 0
+
+
+def test_prometheus_lines_on_the_scheduler(client, cluster):
+    long_job(client).result()
+    status, body = fetch(base(cluster) + "/metrics")
+    assert status == 200
+    lines = [line for line in body.splitlines() if line.startswith("daskllm_")]
+    names = {line.split("{")[0].split(" ")[0] for line in lines}
+    assert {"daskllm_prefix_cache_hits_total", "daskllm_decode_tokens_total", "daskllm_requests_running",
+            "daskllm_cache_blocks_total", "daskllm_placement_decisions_total"} <= names
+    decode = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("daskllm_decode_tokens_total{")]
+    assert len(decode) == 2 and sum(decode) >= 48 * 48
+
+
+def test_the_page_is_in_the_dashboard_and_routes_are_read_only(client, cluster):
+    status, page = fetch(base(cluster) + "/llm")
+    assert status == 200 and "bokeh" in page.lower() and '<a href="llm">' in page
+    status, menu = fetch(base(cluster) + "/status")
+    assert status == 200 and '<a href="llm">' in menu  # in the dashboard's menu, on every page
+    for method in ("POST", "PUT", "DELETE"):
+        assert fetch(base(cluster) + "/llm/metrics.json", method)[0] == 405
+
+
+def test_gpu_metrics_are_absent_on_a_cpu_machine():
+    assert gpu_metrics() is None
+
+
+def test_the_page_updates_live(client, cluster):
+    """The page's document, updated from the scheduler while a job runs (as the browser sees it)."""
+    from daskllm.dashboard.page import LLMPage
+
+    scheduler = cluster.scheduler
+    page = LLMPage(scheduler)
+    page.update()
+    future = long_job(client)
+    poll_for(lambda: (page.update() or True) and sum(page.series.data["decode"]) > 0, timeout=30)
+    future.result()
+    page.update()
+    assert page.workers.data["worker"] and len(page.models.data["models"]) == 2
+    assert "tiny" in page.models.data["models"][0]
+    assert sum(page.decisions.data["tasks"]) > 0
+    time.sleep(0.1)
+
+
+# --- in a real browser ---------------------------------------------------------------------------
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+@pytest.mark.browser
+def test_the_page_renders_with_data_in_headless_chromium(client, cluster, tmp_path):
+    """Debian's chromium, headless: the page loads, its Bokeh data sources fill while a job runs,
+    and a screenshot is taken (set DASKLLM_SCREENSHOT=path to keep it)."""
+    import base64
+    import os
+    import re
+    import subprocess
+
+    binary = _chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium); .ci/run installs it")
+    browser = subprocess.Popen([binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                f"--user-data-dir={tmp_path / 'profile'}", "--remote-debugging-port=0",
+                                "--window-size=1400,1000", "about:blank"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in browser.stderr:
+            match = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
+            if match:
+                port = int(match.group(1))
+                break
+        assert port, "chromium did not start its DevTools endpoint"
+        future = long_job(client)
+        status, body = fetch(f"http://127.0.0.1:{port}/json/new?{base(cluster)}/llm", method="PUT")
+        assert status == 200
+        target = json.loads(body)["webSocketDebuggerUrl"]
+        sizes, png = asyncio.run(_inspect(target))
+        future.result()
+    finally:
+        browser.kill()
+        browser.wait()
+    assert sizes, "no Bokeh document in the page"
+    assert max(sizes) > 0, f"the page's data sources are empty: {sizes}"
+    image = base64.b64decode(png)
+    assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 10_000
+    if os.environ.get("DASKLLM_SCREENSHOT"):
+        with open(os.environ["DASKLLM_SCREENSHOT"], "wb") as f:
+            f.write(image)
+
+
+_SOURCES_JS = """
+(() => {
+  if (!window.Bokeh || !Bokeh.documents.length) return null;
+  const sizes = [];
+  for (const m of Bokeh.documents[0].all_models) {
+    if (m.data !== undefined && m.data !== null) {
+      const cols = (m.data instanceof Map) ? [...m.data.values()] : Object.values(m.data);
+      sizes.push(cols.length ? cols[0].length : 0);
+    }
+  }
+  return JSON.stringify(sizes);
+})()
+"""
+
+
+async def _inspect(target: str):
+    """Over the DevTools protocol: wait for data in the page's sources, then a screenshot."""
+    from tornado.websocket import websocket_connect
+
+    ws = await websocket_connect(target, max_message_size=64 * 2**20)
+    counter = iter(range(1, 10_000))
+
+    async def call(method, **params):
+        request_id = next(counter)
+        await ws.write_message(json.dumps({"id": request_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(await ws.read_message())
+            if message.get("id") == request_id:
+                return message.get("result", {})
+
+    sizes = []
+    for _ in range(60):  # up to ~30 s: page load, websocket, first periodic updates
+        await asyncio.sleep(0.5)
+        result = await call("Runtime.evaluate", expression=_SOURCES_JS, returnByValue=True)
+        value = result.get("result", {}).get("value")
+        if value:
+            sizes = json.loads(value)
+            if sizes and max(sizes) > 0 and sum(s > 0 for s in sizes) >= 3:
+                break
+    shot = await call("Page.captureScreenshot", format="png")
+    ws.close()
+    return sizes, shot.get("data", "")
+
