@@ -75,7 +75,8 @@ def run(model: str = "small", n_workers: int = 1, n_requests: int = 32, max_toke
     with LocalLLMCluster(models=[model], n_workers=n_workers, dashboard_address=dashboard_address) as cluster, \
             Client(cluster) as client:
         startup = time.perf_counter() - t0
-        echo(f"Cluster up in {startup:.1f}s. Dashboard: {cluster.dashboard_link}")
+        llm_page = cluster.dashboard_link.rsplit("/", 1)[0] + "/llm"
+        echo(f"Cluster up in {startup:.1f}s. Dashboard: {cluster.dashboard_link} (LLM page: {llm_page})")
         asked = questions(n_requests)
         answers = daskllm.generate(daskllm.prompt(SYSTEM_PROMPT + "{q}", q=asked), model=model,
                                    max_tokens=max_tokens, ignore_eos=True)
@@ -114,7 +115,7 @@ def run(model: str = "small", n_workers: int = 1, n_requests: int = 32, max_toke
                 echo(f"  {worker} {name}: prefill computed {s['prefill_tokens_computed']}, cached "
                      f"{s['prefill_tokens_cached']}, decoded {s['decode_tokens']}, mean batch {s['mean_batch_size']:.1f}")
         summary["table"] = table_job(model, max_tokens=min(max_tokens, 12), echo=echo)
-        echo(f"Dashboard: {cluster.dashboard_link}")
+        echo(f"Dashboard: {cluster.dashboard_link}; the LLM page: {llm_page}")
         if keep_alive:
             echo(f"Keeping the cluster up for {keep_alive:.0f}s (Ctrl-C to stop) ...")
             try:
