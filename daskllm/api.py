@@ -286,7 +286,7 @@ def compute(*nodes, passes=None, granularity=None, result_cache=None, **kwargs):
         joint = Joint(ours)  # planned together here: Dask may optimize on the scheduler
         note_lowering(joint.lowered)
         values, *others = dask.compute(joint, *[n for n in nodes if not isinstance(n, Node)], **rest)
-    by_key = dict(zip(joint.__dask_keys__(), values))
+    by_key = dict(zip((n.key for n in joint.nodes), values))
     others = iter(others)
     results = tuple(by_key[n.key] if isinstance(n, Node) else next(others) for n in nodes)
     for node, value in zip(nodes, results):

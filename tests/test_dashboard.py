@@ -80,7 +80,9 @@ def test_metrics_json_moves_while_a_job_runs(client, cluster):
 
 
 def test_prometheus_lines_on_the_scheduler(client, cluster):
+    before = decoded(metrics(cluster))
     long_job(client).result()
+    poll_for(lambda: decoded(metrics(cluster)) >= before + 48 * 48, timeout=30)  # the next heartbeats
     status, body = fetch(base(cluster) + "/metrics")
     assert status == 200
     lines = [line for line in body.splitlines() if line.startswith("daskllm_")]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import dask
 import pytest
@@ -188,8 +189,8 @@ def test_scheduler_preload_with_cli_workers(tmp_path, tiny_model_dir):
     bin_dir = pathlib.Path(sys.executable).parent
     scheduler_file = tmp_path / "scheduler.json"
     scheduler = subprocess.Popen([bin_dir / "dask", "scheduler", "--scheduler-file", scheduler_file, "--port", "0",
-                                  "--no-dashboard", "--host", "127.0.0.1", "--preload", repo / "plugins" /
-                                  "scheduler.py", "--daskllm-placement", "least_loaded"],
+                                  "--dashboard-address", "127.0.0.1:0", "--host", "127.0.0.1", "--preload",
+                                  repo / "plugins" / "scheduler.py", "--daskllm-placement", "least_loaded"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = None
     try:
@@ -206,7 +207,21 @@ def test_scheduler_preload_with_cli_workers(tmp_path, tiny_model_dir):
             got = client.compute(node).result(timeout=120)
             decisions = client.run_on_scheduler(
                 lambda dask_scheduler: dict(dask_scheduler.plugins["daskllm-placement"].decisions))
+            # The preload also adds the dashboard's LLM page and its JSON route; the job's
+            # tokens show there with the worker's next heartbeat.
+            dashboard = f"http://127.0.0.1:{client.scheduler_info()['services']['dashboard']}"
+
+            def snapshot():
+                with urllib.request.urlopen(dashboard + "/llm/metrics.json", timeout=10) as response:
+                    return json.loads(response.read())
+
+            poll_for(lambda: sum(w["engines"]["tiny"]["decode_tokens"] for w in snapshot()["workers"].values()) >= 9,
+                     timeout=30)
+            [held] = snapshot()["workers"].values()
+            with urllib.request.urlopen(dashboard + "/llm", timeout=10) as response:
+                assert response.status == 200
         assert len(got) == 3 and sum(decisions.values()) >= 1
+        assert held["models"]["llm"] == ["tiny"]
     finally:
         for proc in (worker, scheduler):
             if proc is not None:

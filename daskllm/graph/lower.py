@@ -51,6 +51,7 @@ class Lowered:
     graph: HighLevelGraph
     plan: nx.DiGraph
     report: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)  # node key -> output task key
 
 
 def plan(outputs: list[Node]) -> nx.DiGraph:
@@ -99,34 +100,25 @@ def lowered(outputs: list[Node]) -> Lowered:
 
 
 def optimize(dsk, keys):
-    """Dask's collection optimizer hook: lower every daskllm output of this computation jointly.
+    """Dask's collection optimizer hook: the graphs are lowered already, so this only counts
+    their plans for :func:`daskllm.usage`.
 
-    Each node's own graph (``__dask_graph__``) is lowered alone; here the outputs found in
-    the merged graph are planned together, so CSE and shared prefixes work across them.
+    Dask 2026 calls this where the graph is materialized, which with a distributed client is
+    the scheduler, whose node registry is another process's: planning several outputs jointly
+    here would work only by accident. ``daskllm.compute`` and ``node.compute`` plan their nodes
+    jointly on the client instead (:class:`~daskllm.graph.nodes.Joint`).
     """
     if not isinstance(dsk, HighLevelGraph):
         return dsk
-    # Dask may call this on the scheduler, whose registry is another process's (empty with a
-    # separate scheduler; partial with an in-process one): unless every output is known here,
-    # keep the graphs as lowered per node, which are complete on their own.
-    wanted = {k for name, layer in dsk.layers.items() if name.startswith("daskllm-output-") for k in layer}
-    outputs = [_registry.get(k) for k in wanted]
-    if not outputs or any(o is None for o in outputs):
-        return dsk
-    result = lowered(list(dict.fromkeys(outputs)))
     from daskllm.metering import note_lowering
 
-    note_lowering(result)
-    ours = {name for name in dsk.layers if name.startswith("daskllm-")}
-    layers = {name: layer for name, layer in dsk.layers.items() if name not in ours}
-    layers.update(result.graph.layers)
-    deps = {name: set(dsk.dependencies.get(name, ())) for name in dsk.layers if name not in ours}
-    for name, d in deps.items():
-        if d & ours:
-            d -= ours
-            d |= set(result.graph.layers)
-    deps.update(result.graph.dependencies)
-    return HighLevelGraph(layers, deps)
+    for name, layer in dsk.layers.items():
+        if name.startswith("daskllm-output-"):
+            for key in layer:
+                node = _registry.get(key.rsplit("-", 1)[0])  # output key = node key + plan token
+                if node is not None:
+                    note_lowering(lowered([node]))
+    return dsk
 
 
 class _Lowering:
@@ -144,6 +136,7 @@ class _Lowering:
         self.requested: dict[str, int] = defaultdict(int)
         self.extra_graphs: list[HighLevelGraph] = []
         self.static_prompts: set[tuple[str, tuple[int, ...]]] = set()
+        self.outputs: dict[str, str] = {}  # node key -> the key of the task holding its value
         self.replicas: dict[str, int] = {}
 
     def run(self) -> Lowered:
@@ -170,7 +163,7 @@ class _Lowering:
         self.report.update(tasks=dict(self.counts), requested=dict(self.requested),
                            applied=list(self.g.graph.get("applied", [])),
                            prefill_lower_bound=prefill_lower_bound(self.static_prompts))
-        return Lowered(HighLevelGraph(layers, deps), self.g, self.report)
+        return Lowered(HighLevelGraph(layers, deps), self.g, self.report, self.outputs)
 
     def _add(self, op: str, key: str, task, annotation: dict | None = None) -> None:
         self.layers[op][key] = task
@@ -413,19 +406,17 @@ class _Lowering:
         self._fill_duplicates(node, item_hashes)
 
     def _output(self, node: Node) -> None:
-        key = node.key
-        if node.batched:
-            spec, deps = self._deps_for([[Dyn(node, i)] for i in range(node.n)])
-            self._add("output", key, Task(key, tasks.assemble, [p[0] for p in spec], *deps))
-        else:
-            where = self.loc[node][0]
-            if where[0] == "const":
-                self._add("output", key, Task(key, tasks.assemble, (where[1],)))
-            elif where[0] != key:
-                spec, deps = self._deps_for([[Dyn(node, 0)]])
-                self._add("output", key, Task(key, tasks.assemble, (spec[0][0],), *deps))
+        """The task holding a node's value. Its key is the node's key plus a token of what it
+        depends on: the same node planned differently (other passes, a result-cache hit) is a
+        different task, so Dask never sees one key with two specs (which it may deadlock on)."""
+        spec, deps = self._deps_for([[Dyn(node, i)] for i in range(node.n)])
+        parts = [p[0] for p in spec] if node.batched else (spec[0][0],)
+        plan = stable_hash(sorted(str(d.key) for d in deps), None if deps else hashes(self.g, node))
+        key = f"{node.key}-{plan[:10]}"
+        self._add("output", key, Task(key, tasks.assemble, parts, *deps))
+        self.outputs[node.key] = key
         if cacheable(node):
-            _pending_results[key] = (hashes(self.g, node), node.batched)
+            _pending_results[node.key] = (hashes(self.g, node), node.batched)
 
 
 @functools.lru_cache(maxsize=65536)

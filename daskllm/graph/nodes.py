@@ -132,7 +132,9 @@ class Node(DaskMethodsMixin):
         return lowered([self]).graph
 
     def __dask_keys__(self):
-        return [self.key]
+        from daskllm.graph.lower import lowered
+
+        return [lowered([self]).outputs[self.key]]
 
     def __dask_layers__(self):
         return tuple(self.__dask_graph__().layers)
@@ -144,7 +146,7 @@ class Node(DaskMethodsMixin):
         return _finalize, (self.key,)
 
     def __dask_postpersist__(self):
-        return _persisted, (self.key, self.width)
+        return _persisted, (self.__dask_keys__()[0], self.width)
 
     @staticmethod
     def __dask_optimize__(dsk, keys, **kwargs):
@@ -186,7 +188,7 @@ class Joint(DaskMethodsMixin):
         return self.lowered.graph
 
     def __dask_keys__(self):
-        return [n.key for n in self.nodes]
+        return [self.lowered.outputs[n.key] for n in self.nodes]
 
     def __dask_layers__(self):
         return tuple(self.lowered.graph.layers)
