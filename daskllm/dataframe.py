@@ -215,12 +215,15 @@ def _costs(distinct: pd.DataFrame, op: Op) -> list:
     """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
     if op.kind in ("embed", "search", "rerank"):
         return [None] * len(distinct)
-    from daskllm.graph.prompt import tokenizer_for
+    from daskllm.graph.prompt import render_value, tokenizer_for
 
     tok, limit = tokenizer_for(op.model), _max_len(op.model)
+    # The ids the engine will see: segments tokenized one by one, as daskllm prompts are.
+    segments = _parse_template(_template(op))
     out = []
-    for text in distinct[KEY]:
-        n = len(tok.prefix_ids) + len(tok.encode(text))
+    for row in distinct.to_dict("records"):
+        n = len(tok.prefix_ids) + sum(len(tok.encode(seg.text if isinstance(seg, Text) else render_value(row[seg.name])))
+                                      for seg in segments)
         if n + 1 > limit:
             out.append(f"prompt has {n} tokens; model {op.model!r} holds at most {limit} including one generated")
         else:
@@ -240,7 +243,7 @@ def _node(rows: pd.DataFrame, op: Op, slots: tuple):
     if op.kind == "rerank":
         pairs = [json.loads(k) for k in rows[KEY]]
         return daskllm.rerank(batch([q for q, _ in pairs]), batch([d for _, d in pairs]), k=op.k, model=op.model)
-    template = op.template + _SUFFIX.get(op.kind, "").format(fields=", ".join(f for f, _ in op.fields))
+    template = _template(op)
     values = {s: batch(rows[s].tolist()) for s in slots}
     if not slots:
         values = {}
@@ -249,6 +252,11 @@ def _node(rows: pd.DataFrame, op: Op, slots: tuple):
     allowed = _yes_no(op.model) if op.kind == "filter" else _digits(op.model) if op.kind == "rate" else ()
     return daskllm.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                             seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=allowed)
+
+
+def _template(op: Op) -> str:
+    """The prompt template a call really uses: the user's, plus the operator's instruction."""
+    return op.template + _SUFFIX.get(op.kind, "").format(fields=", ".join(f for f, _ in op.fields))
 
 
 _SUFFIX = {"filter": "\nAnswer yes or no:",

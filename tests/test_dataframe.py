@@ -212,3 +212,11 @@ def test_dask_progress_bar_follows_an_llm_job(client, capsys):
     captured = capsys.readouterr()
     assert "100%" in captured.out + captured.err
     assert len(out.compute()) == 16
+
+
+def test_budget_reservations_match_what_the_engine_counts(client):
+    """A budget charges prompt tokens + max_tokens per call: exactly the tokens the engine sees."""
+    budget = Budget(tokens=10_000)
+    with daskllm.usage() as u:
+        table(repeat=1).llm.filter("Is this about files? {q}", budget=budget).compute()
+    assert budget.used()["tokens"] == u.prefill_tokens + 4 * 1 and budget.used()["calls"] == 4
