@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from distributed.utils_test import poll_for
 
 from daskllm.rewrite.cache import RESULTS
@@ -9,8 +11,19 @@ from daskllm.worker import reset_prefix_caches
 
 
 def cold_start(client) -> None:
-    """Empty result and prefix caches, and wait until the scheduler's view says so too."""
+    """Empty result and prefix caches, and wait until the scheduler's view says so too.
+
+    Also wait until the previous computation's tasks are forgotten: results still in the
+    scheduler would be reused by an identical graph instead of being computed again.
+    """
     RESULTS.clear()
+
+    def leftovers(dask_scheduler):
+        return sum(1 for ts in dask_scheduler.tasks.values() if not ts.who_wants)
+
+    deadline = time.monotonic() + 15
+    while client.run_on_scheduler(leftovers) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
     def reported(dask_scheduler):
         return sum(len(h) for ws in dask_scheduler.workers.values()
