@@ -158,7 +158,11 @@ def _records(keys: set) -> dict[str, dict]:
     except ValueError:
         return found
     for records in client.run(_worker_records, keys=list(keys)).values():
-        found.update(records)
+        for key, record in records.items():
+            # One key may have run on several workers over time (the same work computed
+            # again, placed elsewhere): the newest record is this computation's.
+            if key not in found or record.get("time", 0) >= found[key].get("time", 0):
+                found[key] = record
     return found
 
 

@@ -571,7 +571,8 @@ class Consumer:
                     producer.release()
         from daskllm.worker import host
 
-        host().usage[self.task_key] = {"op": "pmap", "calls": 1, "items": len(self.results) + len(self.errors),
+        host().usage[self.task_key] = {"op": "pmap", "time": time.time(), "calls": 1,
+                                       "items": len(self.results) + len(self.errors),
                                        "requested": dict(self.requested), "children": sorted(self.children),
                                        "first_item_started": self.first_started}
         return self._result()

@@ -45,7 +45,7 @@ def _tokens(parts, deps, engine) -> list[int]:
 
 
 def _record(task_key: str, op: str, **counters) -> None:
-    host().usage[task_key] = {"op": op, **counters}
+    host().usage[task_key] = {"op": op, "time": time.time(), **counters}
 
 
 def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list, *deps) -> list[str]:
