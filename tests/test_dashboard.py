@@ -26,6 +26,9 @@ def cluster(tiny_model_dir):
 @pytest.fixture(scope="module")
 def client(cluster):
     with Client(cluster) as client:
+        # A worker reports its engines from the first heartbeat after they have loaded.
+        workers = set(client.scheduler_info()["workers"])
+        poll_for(lambda: set(metrics(cluster)["workers"]) == workers, timeout=60)
         yield client
 
 
