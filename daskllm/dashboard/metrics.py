@@ -31,10 +31,13 @@ def engines_of(scheduler) -> dict:
 
 
 class MetricsHistory:
-    """Rates from counter deltas between snapshots, and a bounded time series per worker."""
+    """Rates from counter deltas over windows of at least ``window`` seconds (workers report
+    once per heartbeat, and several readers ask at their own pace), and a bounded time series."""
 
-    def __init__(self, length: int = 600):
-        self.previous: dict = {}  # (worker, engine) -> (time, counters)
+    def __init__(self, length: int = 600, window: float = 1.0):
+        self.window = window
+        self.previous: dict = {}  # (worker, engine) -> (time, counters) at the window's start
+        self.rates: dict = {}  # (worker, engine) -> rates over the last complete window
         self.series: deque = deque(maxlen=length)  # (time, {worker: {engine: {rates...}}})
         self._lock = threading.Lock()
 
@@ -47,17 +50,22 @@ class MetricsHistory:
                     key = (worker, name)
                     counters = {c: stats.get(c, 0) for c in COUNTERS}
                     before = self.previous.get(key)
-                    if before is not None and now > before[0]:
+                    if before is None:
+                        self.previous[key] = (now, counters)
+                    elif now - before[0] >= self.window:
                         dt = now - before[0]
                         rate = {f"{c}_per_s": max(0.0, (counters[c] - before[1][c]) / dt) for c in COUNTERS}
-                    else:
-                        rate = {f"{c}_per_s": 0.0 for c in COUNTERS}
-                    rate["prefill_tokens_per_s"] = rate["prefill_tokens_computed_per_s"] + \
-                        rate["prefill_tokens_cached_per_s"]
-                    rates.setdefault(worker, {})[name] = rate
-                    self.previous[key] = (now, counters)
+                        rate["prefill_tokens_per_s"] = rate["prefill_tokens_computed_per_s"] + \
+                            rate["prefill_tokens_cached_per_s"]
+                        self.rates[key] = rate
+                        self.previous[key] = (now, counters)
+                    rates.setdefault(worker, {})[name] = self.rates.get(key) or _zero_rates()
             self.series.append((now, rates))
         return rates
+
+
+def _zero_rates() -> dict:
+    return {**{f"{c}_per_s": 0.0 for c in COUNTERS}, "prefill_tokens_per_s": 0.0}
 
 
 _history = MetricsHistory()
