@@ -337,7 +337,7 @@ def _compute_nested(node):
     from distributed import worker_client
 
     with worker_client(separate_thread=True) as client:
-        [future] = client.get(joint.lowered.graph, joint.__dask_keys__(), sync=False)
+        [future] = joint.submit(client)
         return future.result(), joint.lowered
 
 

@@ -490,9 +490,7 @@ class Consumer:
             self.children |= set(task_keys(joint.lowered.graph))
             for op, n in joint.lowered.report.get("requested", {}).items():
                 self.requested[op] = self.requested.get(op, 0) + n
-            keys = joint.__dask_keys__()
-            futures = client.get(joint.lowered.graph, keys, sync=False, **restrict)
-            by_key = dict(zip((n.key for n in joint.nodes), futures))
+            by_key = dict(zip((n.key for n in joint.nodes), joint.submit(client, **restrict)))
         others = [i for i in batch if not isinstance(i.value, Node)]
         lazies = [i.value if dask.is_dask_collection(i.value) else dask.delayed(i.value) for i in others]
         futures = dict(zip(map(id, others), client.compute(lazies, **restrict))) if others else {}

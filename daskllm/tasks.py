@@ -48,15 +48,19 @@ def _record(task_key: str, op: str, **counters) -> None:
     host().usage[task_key] = {"op": op, "time": time.time(), **counters}
 
 
+def _record_decode(task_key: str, completions, **extra) -> None:
+    _record(task_key, "decode", calls=len(completions),
+            prompt_tokens=sum(c.num_prompt_tokens for c in completions),
+            cached_tokens=sum(c.num_cached_tokens for c in completions),
+            decode_tokens=sum(len(c.token_ids) for c in completions), **extra)
+
+
 def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list, *deps) -> list[str]:
     """Generate for a shard of prompts together: they join the engine's batch in one step."""
     engine = get_engine(model)
     prompts = [_tokens(parts, deps, engine) for parts in items]
     completions = engine.generate(prompts, sampling)
-    _record(task_key, "decode", calls=len(completions),
-            prompt_tokens=sum(c.num_prompt_tokens for c in completions),
-            cached_tokens=sum(c.num_cached_tokens for c in completions),
-            decode_tokens=sum(len(c.token_ids) for c in completions))
+    _record_decode(task_key, completions)
     return [c.text for c in completions]
 
 
@@ -74,11 +78,7 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split,
     finally:
         if writer is not None:
             writer.close()
-    _record(task_key, "decode", calls=len(completions),
-            prompt_tokens=sum(c.num_prompt_tokens for c in completions),
-            cached_tokens=sum(c.num_cached_tokens for c in completions),
-            decode_tokens=sum(len(c.token_ids) for c in completions), streamed=writer is not None,
-            finished=time.time())
+    _record_decode(task_key, completions, streamed=writer is not None)  # its "time" is when the decode ended
     out = []
     for i, c in enumerate(completions):
         try:

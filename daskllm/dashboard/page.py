@@ -11,8 +11,6 @@ the workers' heartbeats (:func:`daskllm.dashboard.metrics.snapshot`):
 
 from __future__ import annotations
 
-import time
-
 from bokeh.layouts import column, row
 from bokeh.models import ColumnDataSource, DataTable, Div, TableColumn
 from bokeh.plotting import figure
@@ -105,4 +103,4 @@ def llm_doc(scheduler, extra, doc) -> None:
     doc.theme = BOKEH_THEME
 
 
-__all__ = ["LLMPage", "llm_doc", "time"]
+__all__ = ["LLMPage", "llm_doc"]

@@ -203,6 +203,10 @@ class Joint(DaskMethodsMixin):
     def __dask_optimize__(dsk, keys, **kwargs):
         return dsk  # lowered already
 
+    def submit(self, client, **options) -> list:
+        """One future per node (in order), for work started from inside a task."""
+        return client.get(self.lowered.graph, self.__dask_keys__(), sync=False, **options)
+
     __dask_scheduler__ = staticmethod(dask.threaded.get)
 
 
