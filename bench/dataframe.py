@@ -101,7 +101,6 @@ def main(argv=None) -> int:
         args.rows, args.reps, args.partitions = 200, 1, 4
 
     import dask.dataframe as dd
-    import pandas as pd
     from distributed import Client
 
     import daskllm

@@ -103,7 +103,6 @@ PIPELINES = {"advanced_rag": advanced_rag, "factool": factool}
 
 
 def run_once(client, build, questions, index, model, items, passes) -> dict:
-    import daskllm
     from daskllm.worker import reset_prefix_caches
 
     from daskllm.rewrite.cache import RESULTS

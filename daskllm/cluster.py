@@ -1,13 +1,15 @@
 """LocalLLMCluster: a LocalCluster whose workers keep LLM engines resident.
 
 With GPUs (found through NVML) there is one worker per GPU, each seeing only its own
-device through ``CUDA_VISIBLE_DEVICES``, as dask-cuda does. Without GPUs (or without NVML)
-the workers are CPU processes sharing the machine's cores.
+device through ``CUDA_VISIBLE_DEVICES``, as dask-cuda does; a model served with tensor
+parallelism over N GPUs gets one worker per N GPUs, each seeing its N. Without GPUs (or
+without NVML) the workers are CPU processes sharing the machine's cores.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -53,6 +55,10 @@ class LocalLLMCluster(LocalCluster):
 dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model is
     resolved (and built, for a recipe, once) before any worker starts, so a bad name fails
     here with a clear error rather than in every worker.
+
+    ``backend`` (torch, vllm, auto) applies to specs that name none. With GPUs each worker
+    gets ``gpus_per_worker`` of them (default: the largest ``tensor_parallel_size`` among
+    the specs' options, else 1) through ``CUDA_VISIBLE_DEVICES``.
     """
 
     def __init__(self, models: Iterable[str | Mapping | EngineSpec] = ("tiny",), *,
@@ -60,23 +66,34 @@ dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model 
                  rerankers: Iterable[str | Mapping | EngineSpec] = (DEFAULT_EMBEDDING_MODEL,),
                  n_workers: int | None = None, threads_per_worker: int = 4,
                  gpus: Iterable[str] | str | None = "auto", engine_options: Mapping | None = None,
-                 placement: str | None = None, **kwargs):
+                 placement: str | None = None, backend: str | None = None, gpus_per_worker: int | None = None,
+                 **kwargs):
         from daskllm.models import resolve
         from daskllm.placement import PlacementPlugin
         from daskllm.dashboard import DashboardPlugin
         from daskllm.streaming import StreamJanitor
 
         placement = placement or config.get("placement.policy")
-        self.engine_specs = ([EngineSpec.parse(m, "llm") for m in models]
-                             + [EngineSpec.parse(m, "embed") for m in embedders]
-                             + [EngineSpec.parse(m, "rerank") for m in rerankers])
+        specs = ([EngineSpec.parse(m, "llm") for m in models] + [EngineSpec.parse(m, "embed") for m in embedders]
+                 + [EngineSpec.parse(m, "rerank") for m in rerankers])
+        # backend= is the default for specs that name none (else daskllm.engine.backend on the worker)
+        self.engine_specs = [s if s.backend or not backend else dataclasses.replace(s, backend=backend)
+                             for s in specs]
         for spec in self.engine_specs:
             resolve(spec.model)
         self.gpus = discover_gpus() if gpus == "auto" else list(gpus or [])
+        # A tensor-parallel model needs its GPUs in one worker.
+        self.gpus_per_worker = gpus_per_worker or max(int(s.options.get("tensor_parallel_size", 1))
+                                                      for s in self.engine_specs)
         if self.gpus:
-            n_workers = len(self.gpus) if n_workers is None else n_workers
-            if n_workers > len(self.gpus):
-                raise ValueError(f"n_workers={n_workers} but only GPUs {self.gpus} are visible: one worker per GPU")
+            most = len(self.gpus) // self.gpus_per_worker
+            n_workers = most if n_workers is None else n_workers
+            if not 0 < n_workers <= most:
+                raise ValueError(f"n_workers={n_workers} workers of {self.gpus_per_worker} GPU(s) each do not fit "
+                                 f"the visible GPUs {self.gpus}: one worker per {self.gpus_per_worker} GPU(s)")
+            # vLLM runs its engine core in a child process, which daemonic workers may not
+            # have. The nanny reads this when it (re)starts a worker, so it stays set.
+            dask.config.set({"distributed.worker.daemon": False})
         n_workers = 1 if n_workers is None else n_workers
         defaults = dict(engine_options or {})
         if not self.gpus:
@@ -102,12 +119,15 @@ dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model 
     def new_worker_spec(self):
         if not self.gpus:
             return super().new_worker_spec()
-        free = [g for g in self.gpus if g not in self.worker_spec]
-        if not free:
-            raise ValueError(f"cannot start more workers than visible GPUs {self.gpus}")
+        taken = {gpu for name in self.worker_spec for gpu in str(name).split(",")}
+        free = [g for g in self.gpus if g not in taken]
+        if len(free) < self.gpus_per_worker:
+            raise ValueError(f"cannot start another worker of {self.gpus_per_worker} GPU(s): GPUs {self.gpus} "
+                             f"are visible and {sorted(taken)} taken")
+        devices = ",".join(free[:self.gpus_per_worker])
         spec = copy.deepcopy(self.new_spec)
-        spec["options"]["env"] = {**spec["options"].get("env", {}), "CUDA_VISIBLE_DEVICES": free[0]}
-        return {free[0]: spec}
+        spec["options"]["env"] = {**spec["options"].get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
+        return {devices: spec}
 
     @property
     def models(self) -> list[str]:

@@ -55,6 +55,9 @@ class ModelRecipe:
     seed: int = 0
     init_std: float = 0.02
     rms_norm_eps: float = 1e-5
+    # Built without a weights file: engines draw the weights from the seed when they load
+    # (vLLM's load_format="dummy"), so realistic sizes need no disk or build time.
+    dummy_weights: bool = False
 
     def __post_init__(self) -> None:
         for field in (
@@ -131,8 +134,11 @@ class ModelRecipe:
 
     def digest(self) -> str:
         """Cache key: the recipe, the tokenizer corpus and the build code version."""
+        recipe = dataclasses.asdict(self)
+        if not self.dummy_weights:
+            del recipe["dummy_weights"]  # keeps the cache keys of recipes built before the field existed
         payload = {
-            "recipe": dataclasses.asdict(self),
+            "recipe": recipe,
             "tokenizer_corpus": _tokenizer.corpus_digest(),
             "tokenizer_vocab_size": TOKENIZER_VOCAB_SIZE,
             "build_version": BUILD_VERSION,
@@ -172,8 +178,41 @@ RECIPES: dict[str, ModelRecipe] = {
             tie_word_embeddings=False,
             init_std=0.1,
         ),
+        # Realistic sizes for GPU benchmarks, with dummy weights: throughput is real, text is not.
+        # Llama-3-8B's shapes, except the vocabulary: our tokenizer's 16K tokens rather than
+        # 128K, so every generated token decodes to text and runs can be compared exactly
+        # (7.1B parameters rather than 8.0B).
+        ModelRecipe(
+            name="llama-8b",
+            vocab_size=16384,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            dummy_weights=True,
+        ),
+        # Llama-3.2-1B's shapes (the same 16K vocabulary: 1.0B parameters): fits any GPU.
+        ModelRecipe(
+            name="llama-1b",
+            vocab_size=16384,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            dummy_weights=True,
+        ),
     )
 }
+# Marks a recipe directory whose weights engines generate at load time.
+DUMMY_MARKER = "daskllm-dummy-weights.json"
 
 
 def cache_dir() -> pathlib.Path:
@@ -313,7 +352,11 @@ def build(name: str, dest: pathlib.Path) -> pathlib.Path:
     dest = pathlib.Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     config = recipe.to_config()
-    save_file(_random_weights(recipe, config), dest / "model.safetensors", metadata={"format": "pt"})
+    if recipe.dummy_weights:
+        (dest / DUMMY_MARKER).write_text(json.dumps({"recipe": recipe.name, "seed": recipe.seed,
+                                                     "init_std": recipe.init_std}))
+    else:
+        save_file(_random_weights(recipe, config), dest / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(dest)
     GenerationConfig(
         bos_token_id=config.bos_token_id,
@@ -324,8 +367,19 @@ def build(name: str, dest: pathlib.Path) -> pathlib.Path:
     tokenizer_dir = cached_tokenizer_dir()
     for source in sorted(tokenizer_dir.iterdir()):
         shutil.copyfile(source, dest / source.name)
-    _check_loadable(dest)
+    if not recipe.dummy_weights:
+        _check_loadable(dest)
     return dest
+
+
+def dummy_weights(model_dir: pathlib.Path) -> dict | None:
+    """The weights of a dummy-weight recipe directory, drawn from its seed (None for any
+    other directory): the same tensors a full build of the recipe would have written."""
+    marker = pathlib.Path(model_dir) / DUMMY_MARKER
+    if not marker.is_file():
+        return None
+    recipe = _recipe(json.loads(marker.read_text())["recipe"])
+    return _random_weights(recipe, recipe.to_config())
 
 
 def _recipe(name: str) -> ModelRecipe:
@@ -369,7 +423,7 @@ def resolve(model: str | os.PathLike) -> pathlib.Path:
             cache_dir(),
             _cached_dir_name(recipe),
             lambda dest: build(recipe.name, dest),
-            lambda path: (path / _COMPLETE_MARKER).is_file(),
+            lambda path: (path / (DUMMY_MARKER if recipe.dummy_weights else _COMPLETE_MARKER)).is_file(),
         )
     path = pathlib.Path(model).expanduser()
     if path.is_dir():

@@ -9,12 +9,20 @@ makes sense:
 ``--daskllm-embedder NAME_OR_DIR``  an embedding model (e.g. all-MiniLM-L6-v2)
 ``--daskllm-reranker NAME_OR_DIR``  a reranker: a cross-encoder directory, or an embedding
                                    model for a bi-encoder (sharing the embedder's weights)
-``--daskllm-backend torch|vllm``  the engine backend for those models (default torch)
+``--daskllm-backend torch|vllm|auto``  the engine backend for those models (default:
+                                   ``daskllm.engine.backend``, torch); auto = vLLM if this
+                                   worker has a CUDA GPU and vllm imports
 ``--daskllm-option KEY=VALUE``    an engine option, e.g. ``kv_cache_tokens=8192``
 ``--daskllm-threads N``           torch threads for the engine (default: all cores)
 
 A model that cannot be loaded stops the worker at start-up with an error naming it: a
 worker never joins the cluster half-configured.
+
+A GPU worker with vLLM: one worker per GPU (or per tensor-parallel group), not daemonic,
+since vLLM starts a child process::
+
+    CUDA_VISIBLE_DEVICES=0 DASK_DISTRIBUTED__WORKER__DAEMON=False dask worker tcp://scheduler:8786 \
+        --nthreads 16 --preload daskllm.preload --daskllm-backend vllm --daskllm-model /models/llama-3-8b
 """
 
 from __future__ import annotations
@@ -42,17 +50,19 @@ def _parse_option(text: str) -> tuple[str, object]:
               help="LLM to keep resident: recipe name or local HF directory (repeatable).")
 @click.option("--daskllm-embedder", "embedders", multiple=True, help="Embedding model to keep resident (repeatable).")
 @click.option("--daskllm-reranker", "rerankers", multiple=True, help="Reranker to keep resident (repeatable).")
-@click.option("--daskllm-backend", "backend", default="torch", show_default=True,
-              type=click.Choice(["torch", "vllm"]))
+@click.option("--daskllm-backend", "backend", default=None, type=click.Choice(["torch", "vllm", "auto"]),
+              help="Engine backend (default: daskllm.engine.backend).")
 @click.option("--daskllm-option", "options", multiple=True, help="Engine option KEY=VALUE (repeatable).")
 @click.option("--daskllm-threads", "threads", type=int, default=None, help="torch threads for the engine.")
 async def dask_setup(worker, models, embedders, rerankers, backend, options, threads):
     if not (models or embedders or rerankers):
         raise click.UsageError("give at least one --daskllm-model, --daskllm-embedder or --daskllm-reranker")
     engine_options = dict(_parse_option(o) for o in options)
-    specs = [EngineSpec(model=m, backend=backend, options=engine_options) for m in models]
+    specs = ([EngineSpec(model=m, backend=backend, options=engine_options) for m in models]
+             + [EngineSpec(model=m, backend=backend, kind="embed") for m in embedders]
+             + [EngineSpec(model=m, backend=backend, kind="rerank") for m in rerankers])
     defaults = {"num_threads": threads} if threads else {}
-    host = EngineHost(specs, embedders=embedders, rerankers=rerankers, **defaults)
+    host = EngineHost(specs, **defaults)
     if hasattr(worker, "_pending_plugins"):
         # Dask logs and ignores a preload's exception, so a failed load here would leave a
         # worker without engines in the cluster. Plugins given to the worker at start-up

@@ -135,7 +135,7 @@ def load_engines(specs: Iterable[EngineSpec], defaults: Mapping | None = None) -
                         options["embedder"] = shared
                 engines[spec.kind][spec.engine_name] = spec.load(**options)
             except Exception as exc:
-                raise EngineLoadError(f"could not load {spec.kind} model {spec.model!r} ({spec.backend} backend): "
+                raise EngineLoadError(f"could not load {spec.kind} model {spec.model!r} ({spec.backend or 'configured'} backend): "
                                       f"{exc}") from exc
     except BaseException:
         close_engines(engines)

@@ -58,6 +58,11 @@ def _load(backend: str, model_dir, **options) -> Engine:
         # The torch engine's bit-exactness rests on CPU GEMM kernels (see test_batch_invariance.py);
         # on a GPU machine it would otherwise pick CUDA and bfloat16.
         options.setdefault("device", "cpu")
+    else:
+        # Batch-invariant kernels (the exactness tests compare batched with alone), and room
+        # on one GPU for the module's three engines at once.
+        options.setdefault("batch_invariant", True)
+        options.setdefault("gpu_memory_utilization", 0.25)
     return EngineSpec(model=str(model_dir), name="tiny", backend=backend).load(**{**OPTIONS, **options})
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
+
+import dask
 
 import pytest
 from distributed import Client, get_worker
@@ -102,7 +105,15 @@ def test_unknown_model_fails_before_any_worker_starts():
     assert threading.active_count() <= started + 1
 
 
-def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypatch):
+@pytest.fixture
+def restore_dask_config():
+    """GPU clusters make later workers non-daemonic (vLLM needs that); undo it after the test."""
+    saved = dask.config.get("distributed.worker.daemon")
+    yield
+    dask.config.set({"distributed.worker.daemon": saved})
+
+
+def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypatch, restore_dask_config):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert discover_gpus() == ["0", "1"]
     with LocalLLMCluster(models=["tiny"], dashboard_address=":0", threads_per_worker=1,
@@ -111,5 +122,21 @@ def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypa
         assert sorted(visible.values()) == ["0", "1"]
         names = {w["name"] for w in client.scheduler_info()["workers"].values()}
         assert names == {"0", "1"}
-        with pytest.raises(ValueError, match="visible GPUs"):
+        # vLLM's engine core is a child process: GPU workers must not be daemonic
+        assert set(client.run(lambda: multiprocessing.current_process().daemon).values()) == {False}
+        with pytest.raises(ValueError, match=r"GPUs \['0', '1'\] are visible"):
             cluster.scale(3)
+
+
+def test_tensor_parallel_models_get_a_group_of_gpus_per_worker(tiny_model_dir, restore_dask_config):
+    with LocalLLMCluster(models=["tiny"], embedders=(), rerankers=(), gpus=["0", "1", "2", "3"], gpus_per_worker=2,
+                         dashboard_address=":0", threads_per_worker=1,
+                         engine_options={"kv_cache_tokens": 1024}) as cluster, Client(cluster) as client:
+        visible = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
+        assert sorted(visible.values()) == ["0,1", "2,3"]
+        assert all(m == ["tiny"] for m in resident_models(client).values())
+    with pytest.raises(ValueError, match="2 GPU"):
+        LocalLLMCluster(models=["tiny"], gpus=["0", "1", "2"], gpus_per_worker=2, n_workers=2)
+    # a spec's tensor_parallel_size sets the group size
+    with pytest.raises(ValueError, match="3 GPU"):
+        LocalLLMCluster(models=[{"model": "tiny", "options": {"tensor_parallel_size": 3}}], gpus=["0", "1"])

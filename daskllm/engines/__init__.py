@@ -2,7 +2,9 @@
 
 An :class:`EngineSpec` says which model a worker should keep resident and on which
 backend; ``spec.load()`` builds the engine. Backends import lazily: vLLM only when a
-vLLM engine is asked for.
+vLLM engine is asked for. The backend is ``torch``, ``vllm``, or ``auto`` (vLLM where the
+loading process has a CUDA GPU and vllm imports, torch elsewhere); a spec that names none
+takes ``daskllm.engine.backend`` from the config of the process that loads it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from daskllm.engines.protocol import (
     SamplingParams,
 )
 
-BACKENDS = ("torch", "vllm")
+BACKENDS = ("torch", "vllm", "auto")
 KINDS = ("llm", "embed", "rerank")
 
 
@@ -31,14 +33,14 @@ class EngineSpec:
 
     model: str
     name: str | None = None  # what tasks call it; default: the recipe name or directory name
-    backend: str = "torch"
+    backend: str | None = None  # torch, vllm, auto; None: daskllm.engine.backend
     kind: str = "llm"  # llm (generate/prefill), embed, or rerank
     options: Mapping[str, Any] = field(default_factory=dict)  # passed to the engine constructor
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"EngineSpec.model must be a recipe name or a directory path, got {self.model!r}")
-        if self.backend not in BACKENDS:
+        if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"EngineSpec.backend for model {self.model!r} must be one of {BACKENDS}, "
                              f"got {self.backend!r}")
         if self.kind not in KINDS:
@@ -61,9 +63,27 @@ class EngineSpec:
 
         return self.name or model_name(self.model)
 
+    def resolved_backend(self) -> str:
+        """The backend this process would load the spec on (``auto`` decided here)."""
+        from daskllm import config
+
+        backend = self.backend or config.get("engine.backend")
+        if backend not in BACKENDS:
+            raise ValueError(f"daskllm.engine.backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "auto":
+            from daskllm.engines.vllm import unavailable_reason
+
+            backend = "torch" if unavailable_reason() else "vllm"
+        return backend
+
     def load(self, **defaults) -> Engine:
         """Build the engine; ``defaults`` are options the spec does not set itself."""
         options = {**defaults, **self.options}
+        backend = self.resolved_backend()
+        if backend == "vllm":
+            options.pop("num_threads", None)  # CPU threads: not a vLLM setting
+        if self.kind != "llm" and backend == "vllm":
+            options["backend"] = "vllm"  # embedding and reranking on vLLM's pooling runner
         if self.kind == "embed":
             from daskllm.engines.embedder import EmbedEngine
 
@@ -72,7 +92,7 @@ class EngineSpec:
             from daskllm.engines.reranker import load_reranker
 
             return load_reranker(self.model, name=self.engine_name, **options)
-        if self.backend == "vllm":
+        if backend == "vllm":
             from daskllm.engines.vllm import VLLMEngine
 
             return VLLMEngine(self.model, name=self.engine_name, **options)

@@ -7,6 +7,7 @@ unit length otherwise), the sequence limit from ``sentence_bert_config.json``.
 
 BERT-family models run on :class:`~daskllm.engines.bert.BertEncoder`, whose embeddings do
 not depend on the batch; other encoders run through transformers with padded batches.
+With ``backend="vllm"`` the batches run on vLLM's pooling runner instead (GPU workers).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class EmbedEngine:
 
     def __init__(self, model: str | os.PathLike = "all-MiniLM-L6-v2", *, name: str | None = None,
                  device: str | None = None, max_batch_tokens: int = 16384, num_threads: int | None = None,
-                 **_ignored):
+                 backend: str = "torch", **_ignored):
         from transformers import AutoTokenizer
 
         from daskllm import models
@@ -67,13 +68,19 @@ class EmbedEngine:
         self._tokenizer = tokenizer.backend_tokenizer
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(self.max_length)
-        if bert.is_supported(path):
+        if backend == "vllm":
+            from daskllm.engines.vllm import PoolingModel
+
+            self._encoder = PoolingModel(path)
+            self.batch_invariant = False
+        elif bert.is_supported(path):
             self._encoder = bert.BertEncoder(path, device=str(self.device))
             self.batch_invariant = True
         else:
             self._encoder = _TransformersEncoder(path, self.device, tokenizer.pad_token_id or 0)
             self.batch_invariant = False
-        self.dim = int(self._encoder.forward([[0, 0]])[0].shape[-1])
+        self.backend = backend
+        self.dim = int(self._pool([[0, 0]]).shape[-1])
         self._tokens = 0
         self._batcher: Batcher[list[int], np.ndarray] = Batcher(self._run, max_batch_items=max_batch_tokens,
                                                                 cost=len, name=f"embed-{self.name}")
@@ -115,6 +122,8 @@ class EmbedEngine:
 
     def close(self) -> None:
         self._batcher.close()
+        if hasattr(self._encoder, "close"):
+            self._encoder.close()
 
     def __enter__(self):
         return self
@@ -124,12 +133,16 @@ class EmbedEngine:
 
     def _run(self, batch: list[list[int]]) -> list[np.ndarray]:
         self._tokens += sum(len(ids) for ids in batch)
-        with torch.inference_mode():
+        return list(self._pool(batch).float().cpu().numpy())
+
+    @torch.inference_mode()
+    def _pool(self, batch: list[list[int]]) -> torch.Tensor:
+        if self.backend == "vllm":
+            pooled = self._encoder.embed(batch)  # vLLM pools as the model's sentence-transformers files say
+        else:
             states = self._encoder.forward(batch)
             pooled = torch.stack([s[0] if self.pooling == "cls" else s.mean(dim=0) for s in states])
-            if self.normalize:
-                pooled = F.normalize(pooled, dim=-1)
-        return list(pooled.float().cpu().numpy())
+        return F.normalize(pooled, dim=-1) if self.normalize else pooled
 
 
 def _sentence_transformers_config(path: pathlib.Path) -> tuple[int, str, bool]:

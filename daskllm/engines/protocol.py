@@ -8,6 +8,7 @@ on both. Requests are text or token ids plus :class:`SamplingParams`; outputs ar
 from __future__ import annotations
 
 import dataclasses
+import queue
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -178,3 +179,94 @@ class Engine(Protocol):
         """Forget cached prefixes no request uses (for cold-start measurements)."""
 
     def close(self) -> None: ...
+
+
+def encode_prompt(prompt: Prompt, tokenize: Callable[[str], list[int]], vocab_size: int) -> list[int]:
+    """A prompt's token ids, or a RequestError that says what is wrong with it."""
+    if isinstance(prompt, str):
+        ids = tokenize(prompt)
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        ids = list(prompt)
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
+        if bad is not None or not ids:
+            raise RequestError(f"token ids must be a non-empty list of ints in [0, {vocab_size}); got {bad!r}")
+    else:
+        raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise RequestError("prompt is empty")
+    return ids
+
+
+def check_params(params: SamplingParams | None) -> SamplingParams:
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+    return params
+
+
+class BatchingEngine:
+    """What every backend builds the same way on its own ``submit``, ``submit_many`` and
+    ``submit_prefill``: batched generation with per-prompt errors, streaming, prefill; and
+    text from the model directory's Hugging Face tokenizer."""
+
+    def _load_tokenizer(self, path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._fast = getattr(self.tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python per call
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(token_ids), skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def submit_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Future]:
+        raise NotImplementedError
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               on_text: TokenCallback | None = None) -> Future[Completion]:
+        raise NotImplementedError
+
+    def submit_prefill(self, prompt: Prompt) -> Future[PrefillHandle]:
+        raise NotImplementedError
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
+                 return_exceptions: bool = False) -> list[Completion]:
+        """Generate for all prompts together. A bad prompt fails alone: with
+        ``return_exceptions`` its slot holds the error, else it is raised once the rest finish."""
+        results: list = []
+        for f in self.submit_many(prompts, params):
+            try:
+                results.append(f.result())
+            except Exception as exc:  # noqa: BLE001 - reported per prompt
+                results.append(exc)
+        if not return_exceptions:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        return results
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        deltas: queue.Queue = queue.Queue()
+        future = self.submit(prompt, params, on_text=deltas.put)
+        future.add_done_callback(lambda _: deltas.put(None))
+        while (delta := deltas.get()) is not None:
+            yield delta
+        future.result()  # raise the request's error, if any
+
+    def prefill(self, prompt: Prompt) -> PrefillHandle:
+        return self.submit_prefill(prompt).result()
+
+
+def failed_future(exc: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(exc)
+    return future

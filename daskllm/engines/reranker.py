@@ -120,7 +120,7 @@ class CrossEncoderReranker:
     kind = "rerank"
 
     def __init__(self, model: str | os.PathLike, *, name: str | None = None, device: str | None = None,
-                 max_batch_pairs: int = 64, num_threads: int | None = None, **_ignored):
+                 max_batch_pairs: int = 64, num_threads: int | None = None, backend: str = "torch", **_ignored):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from daskllm import models
@@ -131,9 +131,16 @@ class CrossEncoderReranker:
             torch.set_num_threads(int(num_threads))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
         self._stats = RerankStats()
-        self._batcher: Batcher[tuple[str, str], float] = Batcher(self._run, max_batch_items=max_batch_pairs,
+        if backend == "vllm":
+            from daskllm.engines.vllm import PoolingModel
+
+            self.model = PoolingModel(path)
+            run = self.model.score
+        else:
+            self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
+            run = self._run
+        self._batcher: Batcher[tuple[str, str], float] = Batcher(run, max_batch_items=max_batch_pairs,
                                                                  name=f"rerank-{self.name}")
 
     def submit(self, query: str, docs: Sequence[str]) -> Future[np.ndarray]:
@@ -168,6 +175,8 @@ class CrossEncoderReranker:
 
     def close(self) -> None:
         self._batcher.close()
+        if hasattr(self.model, "close"):
+            self.model.close()
 
 
 def load_reranker(model: str | os.PathLike = "all-MiniLM-L6-v2", **options):

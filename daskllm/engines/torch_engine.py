@@ -12,11 +12,10 @@ import dataclasses
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence as SequenceABC
+from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future
 
 import torch
@@ -26,6 +25,7 @@ from daskllm.engines.detok import TextStream
 from daskllm.engines.kv_cache import BlockManager
 from daskllm.engines.llama import LlamaModel, StepInput
 from daskllm.engines.protocol import (
+    BatchingEngine,
     CacheState,
     Completion,
     EngineStats,
@@ -34,6 +34,9 @@ from daskllm.engines.protocol import (
     RequestError,
     SamplingParams,
     TokenCallback,
+    check_params,
+    encode_prompt,
+    failed_future,
 )
 from daskllm.engines.sampling import make_generator, sample
 from daskllm.engines.scheduler import Scheduler, Sequence
@@ -46,15 +49,13 @@ class EngineClosed(RuntimeError):
     pass
 
 
-class TorchEngine:
+class TorchEngine(BatchingEngine):
     """A resident model with continuous batching and a prefix cache (the Engine protocol)."""
 
     def __init__(self, model: str | os.PathLike, *, name: str | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, block_size: int | None = None,
                  kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, num_threads: int | None = None):
-        from transformers import AutoTokenizer
-
         from daskllm import models
 
         path = models.resolve(model)
@@ -72,8 +73,7 @@ class TorchEngine:
 
         self.model = LlamaModel(path, device=device, dtype=dtype)
         self.max_model_len = self.model.config.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self._backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._load_tokenizer(path)
         num_blocks = kv_cache_tokens // self.block_size
         if num_blocks < 1:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {self.block_size} tokens")
@@ -115,16 +115,12 @@ class TorchEngine:
             try:
                 seqs.append(self._sequence(p, params))
             except RequestError as exc:
-                failed: Future = Future()
-                failed.set_exception(RequestError(f"prompt {i}: {exc}"))
-                seqs.append(failed)
+                seqs.append(failed_future(RequestError(f"prompt {i}: {exc}")))
         queued = iter(self._enqueue([s for s in seqs if isinstance(s, Sequence)]))
         return [s if isinstance(s, Future) else next(queued) for s in seqs]
 
     def _sequence(self, prompt: Prompt, params: SamplingParams | None, on_text: TokenCallback | None = None):
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = check_params(params)
         ids = self._encode(prompt)
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; model {self.name!r} holds at most "
@@ -135,33 +131,6 @@ class TorchEngine:
         if on_text is not None or params.stop:
             seq.text = TextStream(self._decode_generated, params.stop)
         return seq
-
-    def generate(self, prompts: SequenceABC[Prompt], params: SamplingParams | None = None, *,
-                 return_exceptions: bool = False) -> list[Completion]:
-        """Generate for all prompts together. A bad prompt fails alone: with
-        ``return_exceptions`` its slot holds the error, else it is raised once the rest finish."""
-        results: list = []
-        for f in self.submit_many(prompts, params):
-            try:
-                results.append(f.result())
-            except Exception as exc:  # noqa: BLE001 - reported per prompt
-                results.append(exc)
-        if not return_exceptions:
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-        return results
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        deltas: queue.Queue = queue.Queue()
-        future = self.submit(prompt, params, on_text=deltas.put)
-        future.add_done_callback(lambda _: deltas.put(None))
-        while (delta := deltas.get()) is not None:
-            yield delta
-        future.result()  # raise the request's error, if any
-
-    def prefill(self, prompt: Prompt) -> PrefillHandle:
-        return self.submit_prefill(prompt).result()
 
     def submit_prefill(self, prompt: Prompt) -> Future[PrefillHandle]:
         """Warm the cache with ``prompt``: its full blocks, and its partly filled last block."""
@@ -184,19 +153,6 @@ class TorchEngine:
 
         future.add_done_callback(done)
         return handle
-
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def detokenize(self, token_ids: SequenceABC[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(list(token_ids), skip_special_tokens=True)
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def stats(self) -> EngineStats:
         with self._state:
@@ -241,19 +197,7 @@ class TorchEngine:
     # --- requests --------------------------------------------------------------------------
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt)
-        elif isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
-            ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-            if bad is not None or not ids:
-                raise RequestError(f"token ids must be a non-empty list of ints in [0, {vocab}); got {bad!r}")
-        else:
-            raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise RequestError("prompt is empty")
-        return ids
+        return encode_prompt(prompt, self.tokenize, self.model.config.vocab_size)
 
     def _check_fits(self, num_tokens: int) -> None:
         capacity = self._blocks.num_blocks * self.block_size

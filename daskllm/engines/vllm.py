@@ -1,0 +1,510 @@
+"""The vLLM engine: the Engine protocol on vLLM's ``AsyncLLM``, for GPU workers.
+
+Imported only when a vLLM engine is configured. One engine per worker process: the
+``AsyncLLM`` runs on a private event loop thread, and requests from any thread (the Dask
+tasks running on the worker) are coroutines scheduled onto it, so concurrent tasks share
+vLLM's continuous batching. Automatic prefix caching is always on.
+
+How the protocol maps onto vLLM:
+
+- generation and streaming: ``AsyncLLM.generate`` with cumulative outputs; text deltas
+  are what each output adds. Cancelling a future aborts its request in vLLM.
+- prefill: a one-token generation warms the prefix; the handle carries our block hashes.
+- ``num_cached_tokens`` per request comes from vLLM's ``RequestOutput``.
+- counters come from a vLLM stat logger (scheduler and iteration stats).
+- cache state: vLLM's KV-cache events (``BlockStored``/``BlockRemoved`` over ZMQ),
+  translated into our chained block hashes, so the placement plugin sees exactly what is
+  resident. With events off, a shadow of the prompts this engine served, bounded by the
+  cache's block count, stands in.
+
+:class:`PoolingModel` serves embedding and cross-encoder reranking on vLLM's pooling
+runner for :class:`~daskllm.engines.embedder.EmbedEngine` and the rerankers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pathlib
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+
+from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
+from daskllm.engines.protocol import (
+    BatchingEngine,
+    CacheState,
+    Completion,
+    EngineStats,
+    PrefillHandle,
+    Prompt,
+    RequestError,
+    SamplingParams,
+    TokenCallback,
+    check_params,
+    encode_prompt,
+    failed_future,
+)
+
+logger = logging.getLogger(__name__)
+_request_ids = itertools.count()
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+def unavailable_reason() -> str | None:
+    """Why this process cannot run a vLLM engine, or None when it can."""
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        return f"torch does not import: {exc}"
+    if not torch.cuda.is_available():
+        return "vLLM needs a CUDA GPU and torch.cuda.is_available() is False here"
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not usable here
+        return f"vllm does not import ({exc!r}); install the extra: pip install 'daskllm[vllm]'"
+    return None
+
+
+def sampling_kwargs(params: SamplingParams) -> dict:
+    """Our SamplingParams as keyword arguments of ``vllm.SamplingParams``."""
+    kwargs = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+              "seed": params.seed, "ignore_eos": params.ignore_eos, "skip_special_tokens": True}
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    if params.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(params.allowed_token_ids)
+    return kwargs
+
+
+def finish_reason(reason: str | None, stop_reason: int | str | None) -> str:
+    """vLLM's (finish_reason, stop_reason) in our terms: length, stop (a stop string) or eos."""
+    if reason == "length":
+        return "length"
+    if isinstance(stop_reason, str):
+        return "stop"
+    if reason == "stop":
+        return "eos"
+    raise RuntimeError(f"vLLM finished a request with reason {reason!r} ({stop_reason!r})")
+
+
+class KVEventTranslator:
+    """vLLM's KV-cache events as our chained block hashes.
+
+    A ``BlockStored`` event names its blocks by vLLM's hashes and carries their tokens and
+    the hash of the block before them, so each block's hash in our scheme (the one task
+    annotations use) follows from its parent's. Blocks whose parent we never saw (stored
+    before we subscribed) are skipped: the map only claims what it can prove.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._ours: dict = {}  # vLLM block hash -> our hash
+
+    def apply(self, event) -> None:
+        kind = type(event).__name__
+        if kind == "BlockStored":
+            self.stored(event.block_hashes, event.parent_block_hash, event.token_ids)
+        elif kind == "BlockRemoved":
+            self.removed(event.block_hashes)
+        elif kind == "AllBlocksCleared":
+            self._ours.clear()
+
+    def stored(self, hashes: Sequence, parent, token_ids: Sequence[int]) -> None:
+        ours = ROOT_HASH if parent is None else self._ours.get(parent)
+        if ours is None:
+            return
+        bs = self.block_size
+        for i, vllm_hash in enumerate(hashes):
+            block = token_ids[i * bs:(i + 1) * bs]
+            if len(block) < bs:
+                return
+            ours = hash_block(ours, block)
+            self._ours[vllm_hash] = ours
+
+    def removed(self, hashes: Iterable) -> None:
+        for h in hashes:
+            self._ours.pop(h, None)
+
+    def resident(self) -> frozenset[int]:
+        return frozenset(self._ours.values())
+
+
+class PrefixShadow:
+    """Block hashes of the prompts an engine served, least recently used first out, bounded
+    by the cache's size: what is probably resident when the engine reports no events."""
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity = max(0, capacity_blocks)
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def touch(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def resident(self) -> frozenset[int]:
+        return frozenset(self._blocks)
+
+
+def is_dummy(path: pathlib.Path) -> bool:
+    """A recipe built without weights (see :mod:`daskllm.models`): vLLM loads random ones."""
+    from daskllm.models import DUMMY_MARKER
+
+    return (path / DUMMY_MARKER).is_file()
+
+
+def _check_can_spawn() -> None:
+    # vLLM runs its engine core in a child process; a daemonic Dask worker may not have one.
+    if multiprocessing.current_process().daemon:
+        raise RuntimeError("vLLM starts a child process, which a daemonic Dask worker cannot; start workers "
+                           "with distributed.worker.daemon=False (DASK_DISTRIBUTED__WORKER__DAEMON=False); "
+                           "LocalLLMCluster does this on GPU machines")
+
+
+class VLLMEngine(BatchingEngine):
+    """A resident vLLM engine implementing the Engine protocol."""
+
+    def __init__(self, model: str | os.PathLike, *, name: str | None = None, block_size: int | None = None,
+                 kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.9, dtype: str = "auto", max_model_len: int | None = None,
+                 load_format: str | None = None, seed: int = 0, kv_events: bool = True,
+                 enforce_eager: bool = False, batch_invariant: bool = False, num_threads: int | None = None,
+                 device: str | None = None, **engine_args):
+        from daskllm import config, models
+
+        if (reason := unavailable_reason()) is not None:
+            raise RuntimeError(f"cannot start a vLLM engine for {model!r}: {reason}")
+        if device not in (None, "cuda") and not str(device).startswith("cuda"):
+            raise ValueError(f"the vLLM engine runs on CUDA devices, not {device!r}")
+        _check_can_spawn()
+        if batch_invariant:
+            # vLLM's (beta) batch-invariant kernels: a request's tokens do not depend on what
+            # it was batched with, so optimized and naive graphs agree exactly. Read by the
+            # engine-core process this engine starts.
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        path = models.resolve(model)
+        self.name = name or models.model_name(model)
+        self.path = path
+        self.block_size = block_size or config.get("engine.block-size")
+        self._load_tokenizer(path)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+        self.vocab_size = hf_config.vocab_size
+        # A fixed cache smaller than the model's context bounds the context: vLLM refuses to
+        # start with a context it could not hold.
+        self._capacity = kv_cache_tokens // self.block_size * self.block_size if kv_cache_tokens else None
+        self.max_model_len = min(max_model_len or hf_config.max_position_embeddings, self._capacity or 1 << 62)
+
+        self._events_endpoint = None
+        if kv_events:
+            self._events_endpoint = f"ipc://{tempfile.gettempdir()}/daskllm-kv-{os.getpid()}-{id(self):x}"
+        args = dict(
+            model=str(path), tokenizer=str(path), served_model_name=self.name, block_size=self.block_size,
+            enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=self.max_model_len,
+            seed=seed, enforce_eager=enforce_eager,
+            load_format=load_format or ("dummy" if is_dummy(path) else "auto"),
+            **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+            **({"max_num_batched_tokens": max(max_num_batched_tokens, self.block_size)}
+               if max_num_batched_tokens else {}),
+            **({"num_gpu_blocks_override": kv_cache_tokens // self.block_size} if kv_cache_tokens else {}),
+            **engine_args,
+        )
+        self._stats = EngineStats()
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
+        self._closed = False
+        self._translator = KVEventTranslator(self.block_size)
+        self._shadow = PrefixShadow(0)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"daskllm-vllm-{self.name}", daemon=True)
+        self._thread.start()
+        try:
+            self._engine = self._call(self._start(args))
+        except BaseException:
+            self._stop_loop()
+            raise
+        cache = self._engine.vllm_config.cache_config
+        num_blocks = cache.num_gpu_blocks or 0
+        self._capacity = num_blocks * self.block_size
+        self._stats.cache_blocks_total = num_blocks
+        self._shadow.capacity = num_blocks
+        self._events_thread = None
+        if self._events_endpoint is not None:
+            self._events_thread = threading.Thread(target=self._follow_kv_events, daemon=True,
+                                                   name=f"daskllm-vllm-events-{self.name}")
+            self._events_thread.start()
+
+    def __repr__(self) -> str:
+        return f"<VLLMEngine {self.name!r}, {self._stats.cache_blocks_total} blocks>"
+
+    async def _start(self, args: dict):
+        from vllm.config import KVEventsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self._events_endpoint is not None:
+            args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                      endpoint=self._events_endpoint)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[self._stat_logger()])
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # --- the Engine protocol ---------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               on_text: TokenCallback | None = None) -> Future[Completion]:
+        ids, params = self._request(prompt, params)
+        return self._start_request(ids, params, on_text)
+
+    def submit_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Future]:
+        if isinstance(prompts, str):
+            raise RequestError("submit_many() takes a list of prompts; use submit() for one")
+        futures = []
+        for i, p in enumerate(prompts):
+            try:
+                ids, checked = self._request(p, params)
+            except RequestError as exc:
+                futures.append(failed_future(RequestError(f"prompt {i}: {exc}")))
+            else:
+                futures.append(self._start_request(ids, checked, None))
+        return futures
+
+    def submit_prefill(self, prompt: Prompt) -> Future[PrefillHandle]:
+        ids = self._encode(prompt)
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"prefix has {len(ids)} tokens; model {self.name!r} holds at most {self.max_model_len}")
+        if len(ids) == self.max_model_len:
+            ids = ids[:-1]  # room for the one token that makes vLLM compute the prefix
+        hashes = tuple(block_hashes(ids, self.block_size))
+        return self._start_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), None, prefill_hashes=hashes)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = EngineStats(**{k: getattr(self._stats, k) for k in EngineStats.__dataclass_fields__})
+        return s
+
+    def cache_state(self) -> CacheState:
+        with self._lock:
+            source = self._translator if self._events_endpoint is not None else self._shadow
+            resident = source.resident()
+            used = self._stats.cache_blocks_used
+        return CacheState(self.name, self.block_size, self._stats.cache_blocks_total, used, resident)
+
+    def reset_prefix_cache(self) -> bool:
+        done = bool(self._call(self._engine.reset_prefix_cache()))
+        if done:
+            with self._lock:
+                self._shadow.clear()
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending.values())
+        for future in pending:
+            if not future.done() and future.set_running_or_notify_cancel():
+                future.set_exception(EngineClosed(f"engine {self.name!r} was closed"))
+        try:
+            self._engine.shutdown()
+        finally:
+            self._stop_loop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- requests ------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(prompt, self.tokenize, self.vocab_size)
+
+    def _request(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        params = check_params(params)
+        ids = self._encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; model {self.name!r} holds at most "
+                               f"{self.max_model_len} (including at least one generated token)")
+        needed = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self._capacity is not None and needed > self._capacity:
+            raise RequestError(f"request needs {needed} tokens of KV cache; engine {self.name!r} holds {self._capacity}")
+        return ids, params
+
+    def _start_request(self, ids: list[int], params: SamplingParams, on_text: TokenCallback | None,
+                       prefill_hashes: tuple[int, ...] | None = None) -> Future:
+        request_id = f"{self.name}-{next(_request_ids)}"
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise EngineClosed(f"engine {self.name!r} is closed")
+            self._pending[request_id] = future
+            self._stats.requests_submitted += 1
+        task = asyncio.run_coroutine_threadsafe(
+            self._generate(request_id, ids, params, on_text, future, prefill_hashes), self._loop)
+        # Cancelling the caller's future cancels the coroutine, and vLLM aborts the request.
+        future.add_done_callback(lambda f: f.cancelled() and task.cancel())
+        return future
+
+    async def _generate(self, request_id: str, ids: list[int], params: SamplingParams,
+                        on_text: TokenCallback | None, future: Future, prefill_hashes) -> None:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        vllm_params = VLLMSamplingParams(**sampling_kwargs(params), output_kind=RequestOutputKind.CUMULATIVE)
+        final, sent = None, 0
+        try:
+            async for output in self._engine.generate(TokensPrompt(prompt_token_ids=ids), vllm_params, request_id):
+                final = output
+                text = output.outputs[0].text
+                if on_text is not None and len(text) > sent:
+                    on_text(text[sent:])
+                    sent = len(text)
+        except asyncio.CancelledError:
+            self._finish(request_id, "requests_cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed request (or its callback) fails alone
+            self._finish(request_id, "requests_failed")
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+            return
+        self._finish(request_id, "requests_finished")
+        with self._lock:
+            self._shadow.touch(block_hashes(ids, self.block_size))
+        cached = final.num_cached_tokens or 0
+        if prefill_hashes is not None:
+            result = PrefillHandle(self.name, len(ids), cached, self.block_size, prefill_hashes)
+        else:
+            out = final.outputs[0]
+            result = Completion(request_id, ids, list(out.token_ids), out.text,
+                                finish_reason(out.finish_reason, out.stop_reason), cached)
+        if future.set_running_or_notify_cancel():
+            future.set_result(result)
+
+    def _finish(self, request_id: str, counter: str) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+            setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    # --- counters and cache state from vLLM ------------------------------------------------
+
+    def _stat_logger(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class Recorder(StatLoggerBase):
+            def __init__(self, vllm_config=None, engine_index: int = 0):
+                self.last = time.perf_counter()
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                now = time.perf_counter()
+                engine._record(scheduler_stats, iteration_stats, now - self.last)
+                self.last = now
+
+            def log_engine_initialized(self):
+                pass
+
+        return Recorder
+
+    def _record(self, scheduler, iteration, seconds: float) -> None:
+        with self._lock:
+            s = self._stats
+            if scheduler is not None:
+                s.running, s.waiting = scheduler.num_running_reqs, scheduler.num_waiting_reqs
+                s.cache_blocks_used = round(scheduler.kv_cache_usage * s.cache_blocks_total)
+                cache = scheduler.prefix_cache_stats
+                if cache is not None:
+                    s.prefill_tokens_cached += cache.hits
+                    s.prefill_tokens_computed += cache.queries - cache.hits
+                if scheduler.num_running_reqs:
+                    s.steps += 1
+                    s.batched_sequences += scheduler.num_running_reqs
+                    s.max_batch_size = max(s.max_batch_size, scheduler.num_running_reqs)
+                    s.busy_seconds += seconds
+            if iteration is not None:
+                s.decode_tokens += iteration.num_generation_tokens
+                s.preemptions += iteration.num_preempted_reqs
+
+    def _follow_kv_events(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        socket = zmq.Context.instance().socket(zmq.SUB)
+        socket.connect(self._events_endpoint)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            while not self._closed:
+                if not socket.poll(100):
+                    continue
+                _topic, _seq, payload = socket.recv_multipart()
+                batch = decoder.decode(payload)
+                with self._lock:
+                    for event in batch.events:
+                        self._translator.apply(event)
+        except Exception:  # noqa: BLE001 - the cache state falls back to what is already known
+            logger.exception("engine %s: following vLLM's KV-cache events failed", self.name)
+        finally:
+            socket.close(linger=0)
+
+
+class PoolingModel:
+    """A vLLM pooling model (embedding, or cross-encoder scoring) run in offline batches.
+
+    Pooling requests are one forward pass each, so the engines' :class:`Batcher` thread
+    feeds whole batches to vLLM's offline ``LLM``.
+    """
+
+    def __init__(self, path: pathlib.Path, *, gpu_memory_utilization: float = 0.2, **engine_args):
+        if (reason := unavailable_reason()) is not None:
+            raise RuntimeError(f"cannot start a vLLM pooling model for {str(path)!r}: {reason}")
+        _check_can_spawn()
+        from vllm import LLM
+
+        self.llm = LLM(model=str(path), runner="pooling", gpu_memory_utilization=gpu_memory_utilization,
+                       enable_prefix_caching=False, **engine_args)
+
+    def embed(self, batch: list[list[int]]):
+        """Pooled vectors of token-id inputs, as a float tensor ``[len(batch), dim]``."""
+        import torch
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.embed([TokensPrompt(prompt_token_ids=ids) for ids in batch], use_tqdm=False)
+        return torch.tensor([o.outputs.embedding for o in outputs], dtype=torch.float32)
+
+    def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        outputs = self.llm.score([q for q, _ in pairs], [d for _, d in pairs], use_tqdm=False)
+        return [float(o.outputs.score) for o in outputs]
+
+    def close(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
