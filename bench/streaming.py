@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -47,23 +46,12 @@ PASSES = {"on": ["cse", "cache", "prune", "prefix", "pipeline", "stage"],
           "off": ["cse", "cache", "prune", "prefix", "stage"]}
 
 
-def words(n: int):
-    """A splitter: every ``n`` complete words are an item (the rest at the end)."""
-
-    def split(text: str, final: bool) -> list[str]:
-        found = re.findall(r"\S+(?=\s)", text) if not final else text.split()
-        groups = [" ".join(found[i:i + n]) for i in range(0, len(found), n)]
-        return groups if final else groups[:len(found) // n]
-
-    return split
-
-
 def advanced_rag(question: str, index, model: str, items: int):
     import daskllm
 
     queries = daskllm.generate(daskllm.prompt("Rewrite the question as several search queries.\nQuestion: {q}\n"
                                               "Queries:\n", q=question), model=model, max_tokens=6 * items,
-                               ignore_eos=True, split=words(6))
+                               ignore_eos=True, split=daskllm.words(6))
     hits = daskllm.search(index, queries, k=4)
     passages = daskllm.pmap(hits, _rerank_hits, question)
     return daskllm.generate(daskllm.prompt("Answer from the passages.\nPassages:\n{p}\nQuestion: {q}\nAnswer:",
@@ -83,7 +71,7 @@ def factool(question: str, index, model: str, items: int):
                               ignore_eos=True)
     claims = daskllm.generate(daskllm.prompt("List the claims in this answer, one per line.\nAnswer: {a}\nClaims:\n",
                                              a=answer), model=model, max_tokens=8 * items, ignore_eos=True,
-                              split=words(8))
+                              split=daskllm.words(8))
     verdicts = daskllm.pmap(claims, _verify_claim, index, model)
     return daskllm.generate(daskllm.prompt("Verdicts:\n{v}\nIs the answer factual overall?", v=daskllm.collect(verdicts)),
                             model=model, max_tokens=8)
@@ -93,7 +81,7 @@ def _verify_claim(claim, index, model):
     import daskllm
 
     queries = daskllm.generate(daskllm.prompt("Search queries to check: {c}\nQueries:\n", c=claim), model=model,
-                               max_tokens=12, ignore_eos=True, split=words(6))
+                               max_tokens=12, ignore_eos=True, split=daskllm.words(6))
     evidence = daskllm.collect(daskllm.search(index, queries, k=2))
     return daskllm.generate(daskllm.prompt("Claim: {c}\nEvidence:\n{e}\nVerdict:", c=claim, e=evidence), model=model,
                             max_tokens=6)

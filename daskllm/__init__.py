@@ -22,6 +22,7 @@ _LAZY = {
     "pmap": "daskllm.api",
     "collect": "daskllm.api",
     "delimited": "daskllm.api",
+    "words": "daskllm.api",
     "ItemError": "daskllm.streaming",
     "StreamJanitor": "daskllm.streaming",
     "Budget": "daskllm.dataframe",

@@ -22,7 +22,7 @@ from daskllm.engines import SamplingParams
 from daskllm.graph.nodes import Node
 from daskllm.graph.prompt import Prompt, Tokens, as_prompt, chat, prompt, tokenizer_fingerprint, tokens
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
-from daskllm.streaming import ANCESTRY, PmapSpec, Stage, delimited, splitter
+from daskllm.streaming import ANCESTRY, PmapSpec, Stage, delimited, splitter, words  # noqa: F401 (re-exported)
 
 
 class batch(list):  # noqa: N801 - reads as a marker: daskllm.batch([...])

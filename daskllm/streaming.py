@@ -28,6 +28,7 @@ import contextvars
 import json
 import pickle
 import queue as queue_mod
+import re
 import threading
 import time
 import uuid
@@ -74,6 +75,26 @@ class Delimited(Splitter):
         if not final:
             pieces = pieces[:-1]  # the last piece may still grow
         return [p.strip() for p in pieces if p.strip()]
+
+
+class WordGroups(Splitter):
+    """Every ``n`` complete words are an item (the remaining words, at the end, are the last).
+
+    Useful where a model's output has no reliable delimiter (small or random-weight models)
+    and a stream still needs items of a known size.
+    """
+
+    def __init__(self, n: int):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"words(n): n must be a positive int, got {n!r}")
+        self.n = n
+        self.fingerprint = f"words:{n}"
+
+    def items(self, text: str, final: bool) -> list[str]:
+        # A word is complete once whitespace follows it (or the generation ended).
+        found = text.split() if final else re.findall(r"\S+(?=\s)", text)
+        groups = [" ".join(found[i:i + self.n]) for i in range(0, len(found), self.n)]
+        return groups if final else groups[:len(found) // self.n]
 
 
 class JSONArray(Splitter):
@@ -151,6 +172,11 @@ def splitter(spec) -> Splitter:
 def delimited(sep: str) -> Splitter:
     """Split a generation into the pieces between ``sep`` (e.g. ``";"``)."""
     return Delimited(sep)
+
+
+def words(n: int) -> Splitter:
+    """Split a generation into groups of ``n`` words."""
+    return WordGroups(n)
 
 
 class ItemEmitter:

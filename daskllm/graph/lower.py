@@ -138,6 +138,7 @@ class _Lowering:
         self.static_prompts: set[tuple[str, tuple[int, ...]]] = set()
         self.outputs: dict[str, str] = {}  # node key -> the key of the task holding its value
         self.replicas: dict[str, int] = {}
+        self._settings_token: str | None = None
 
     def run(self) -> Lowered:
         for node in nx.topological_sort(self.g):
@@ -293,7 +294,7 @@ class _Lowering:
         model, sampling, split = node.params["model"], node.params["sampling"], node.params.get("split")
         todo, item_hashes = self._plan_items(node)
         all_items = items(self.g, node)
-        channels = self._stream_channels(node, item_hashes) if split is not None else {}
+        consumers = self._stream_consumers(node, item_hashes) if split is not None else {}
         self.static_prompts.update((model, item[0]) for item in all_items if len(item) == 1 and isinstance(item[0], tuple))
         prefills = self.g.nodes[node].get("prefill") or [None] * node.n
         for number, shard in enumerate(self._shards(node, todo)):
@@ -306,29 +307,32 @@ class _Lowering:
             if split is None:
                 task = Task(key, tasks.run_decode, key, model, sampling, resolved, *deps)
             else:
-                task = Task(key, tasks.run_decode_split, key, model, sampling, split,
-                            [channels.get(item_hashes[i], []) for i in shard], resolved, *deps)
+                channels = [[self._pmap_key(c, j, key) for c, j in consumers.get(item_hashes[i], [])] for i in shard]
+                task = Task(key, tasks.run_decode_split, key, model, sampling, split, channels, resolved, *deps)
             self._add("decode", key, task,
                       self._llm_annotation("decode", model, prefixes, sampling.max_tokens, len(shard)))
             self._place(node, item_hashes, shard, key)
         self._fill_duplicates(node, item_hashes)
 
-    def _stream_channels(self, node: Node, item_hashes: list[str]) -> dict[str, list[str]]:
-        """Per call (by hash, so duplicates of a call share its decode): its streamed consumers' keys."""
-        channels: dict[str, list[str]] = defaultdict(list)
+    def _stream_consumers(self, node: Node, item_hashes: list[str]) -> dict[str, list[tuple[Node, int]]]:
+        """Per call (by hash, so duplicates of a call share its decode): its streamed consumers."""
+        consumers: dict[str, list[tuple[Node, int]]] = defaultdict(list)
         for consumer in self.g.successors(node):
             if consumer.op == "pmap" and self.g.nodes[consumer].get("streamed") and self._pmap_source(consumer) is node:
                 for i in range(consumer.n):
-                    channels[item_hashes[item_of(node, i)]].append(self._pmap_key(consumer, i, True))
-        return channels
+                    consumers[item_hashes[item_of(node, i)]].append((consumer, i))
+        return consumers
 
     def _pmap_source(self, node: Node) -> Node:
         return self.g.nodes[node].get("source", node.inputs["stream"])
 
-    @staticmethod
-    def _pmap_key(node: Node, i: int, streamed: bool) -> str:
-        # Streamed and unstreamed consumers are different tasks: never one key for both.
-        return f"pmap-{stable_hash(node.hash, i, streamed)}"
+    def _pmap_key(self, node: Node, i: int, *inputs: str) -> str:
+        # What the task reads (a stream from its decode, or its inputs' task keys) and the
+        # rewrite settings its nested work is planned with are part of the key: the same pmap
+        # planned otherwise is another task, never one key with two specs.
+        if self._settings_token is None:
+            self._settings_token = stable_hash(dict(config.get("rewrite")))
+        return f"pmap-{stable_hash(node.hash, i, self._settings_token, *inputs)}"
 
     def _lower_pmap(self, node: Node) -> None:
         """One consumer task per call of the source; streamed, it reads the decode's queue and
@@ -343,8 +347,8 @@ class _Lowering:
             arg_parts = [Dyn(a, item_of(a, i)) for a in args]
             where = self.loc[source][item_of(source, i)]
             if streamed and where[0] != "const":  # a cached decode has nothing to stream
-                key = self._pmap_key(node, i, True)
                 producer_key, pos = where
+                key = self._pmap_key(node, i, producer_key)
                 stream = streaming.Source(producer_key, pos, source.params["sampling"].deterministic)
                 resolved, deps = self._deps_for([arg_parts])
                 self._add("pmap", key, Task(key, tasks.run_pmap, key, spec, stream, None, resolved[0], *deps))
@@ -352,8 +356,8 @@ class _Lowering:
                 self._add("pmap", join, Task(join, tasks.first, TaskRef(key), TaskRef(producer_key)))
                 self.loc[node].append((join, None))
             else:
-                key = self._pmap_key(node, i, False)
                 resolved, deps = self._deps_for([[Dyn(source, item_of(source, i)), *arg_parts]])
+                key = self._pmap_key(node, i, "unstreamed", *sorted(str(d.key) for d in deps))
                 self._add("pmap", key, Task(key, tasks.run_pmap, key, spec, streaming.Source(), resolved[0][0],
                                             resolved[0][1:], *deps))
                 self.loc[node].append((key, None))

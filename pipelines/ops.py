@@ -1,0 +1,189 @@
+"""The operations a reference pipeline is written in, and the two ways to run them.
+
+A pipeline is a function of ``ops``. With :class:`Lazy` (what ``build`` uses) each operation
+is a daskllm builder: the pipeline is a graph of nodes, planned, rewritten and placed as a
+whole when computed. With :class:`Eager` each operation computes right away, with the naive
+plan, and returns values: that is how a plain program over an LLM client runs. The
+benchmark's baselines are these two run differently (see ``bench/harness.py``):
+
+- ``sequential``: Eager, one query at a time (each call waits for the last);
+- ``opwise``: Eager over the whole batch (one operator at a time, a barrier after each);
+- ``dask``: Lazy, computed with no rewrites, one task per call, placement off;
+- ``daskllm``: Lazy, everything on.
+
+Batches: a slot given a list (or a batch) makes one call per item; ``gather`` turns a
+batch into one value (a slot given it sees the whole list). ``map`` runs ``fn(item, ops, *args)``
+on every item of a split stream (per call). ``each`` runs ``fn(ops, *args)`` once per query,
+each batch argument (a list, or a node with one value per query) replaced by that query's
+value: per-query work whose shape depends on values, such as a branch taken or not; its
+value per query is ``[result]``. Both build with the ``ops`` they are given, so the same
+code is lazy inside a lazy pipeline and eager inside an eager one. Functions given to
+``map`` and ``each`` live at module level (they travel to workers).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import daskllm
+
+# The plan a call gets in the naive baselines: no rewrites, one task per call, no reuse.
+NAIVE = {"passes": [], "granularity": "query", "result_cache": False}
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """Operations that build daskllm nodes."""
+
+    model: str = "tiny"
+    eager = False
+
+    def generate(self, template: str, *, model: str | None = None, max_tokens: int = 16, split=None, **slots):
+        return daskllm.generate(daskllm.prompt(template, **slots), model=model or self.model, max_tokens=max_tokens,
+                                ignore_eos=True, split=split)
+
+    def choose(self, template: str, options: tuple[str, ...], *, model: str | None = None, **slots):
+        """One of ``options`` (single words), the model's pick: generation limited to their first tokens."""
+        model = model or self.model
+        return daskllm.generate(daskllm.prompt(template, **slots), model=model, max_tokens=1,
+                                allowed_token_ids=first_tokens(model, tuple(options)))
+
+    def search(self, index, queries, k: int = 3):
+        return daskllm.search(index, queries, k=k)
+
+    def rerank(self, query, docs, k: int | None = None):
+        return daskllm.rerank(query, docs, k=k)
+
+    def map(self, stream, fn, *args):
+        return daskllm.pmap(stream, fn, self, *args)
+
+    def each(self, fn, *args):
+        # A pmap over one dummy item per query: batched arguments are per call, so fn sees
+        # its query's values.
+        args = [daskllm.batch(a) if isinstance(a, list) else a for a in args]
+        widths = {a.width if hasattr(a, "width") else len(a) for a in args
+                  if isinstance(a, daskllm.batch) or getattr(a, "batched", False)}
+        if len(widths) > 1:
+            raise ValueError(f"each(): batch arguments of different sizes {sorted(widths)}")
+        stream = daskllm.batch([[0]] * widths.pop()) if widths else [0]
+        return daskllm.pmap(stream, _call, fn, self, *args)
+
+    def collect(self, stream):
+        return daskllm.collect(stream)
+
+    def gather(self, batch):
+        return daskllm.gather(batch)
+
+
+def _call(_, fn, ops, *args):
+    return fn(ops, *args)
+
+
+@functools.cache
+def first_tokens(model: str, options: tuple[str, ...]) -> tuple[int, ...]:
+    """The first token of " option" for each option; they must differ."""
+    from daskllm.graph.prompt import tokenizer_for
+
+    tok = tokenizer_for(model)
+    ids = tuple(tok.encode(f" {o}")[0] for o in options)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"model {model!r}: the options {options} do not start with distinct tokens")
+    return ids
+
+
+def picked(text: str, options: tuple[str, ...]) -> str:
+    """Which option a ``choose`` output names (its first letters)."""
+    word = text.strip().lower()
+    return next((o for o in options if word and o.lower().startswith(word)), options[-1])
+
+
+class Items:
+    """A list that fills one prompt slot (one item per line) rather than making a batch:
+    what an eager search, rerank, gather or stream gives, as its lazy node would."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (Items, list)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Items({self.items!r})"
+
+    def __dask_tokenize__(self):
+        import dask.base
+
+        return "pipelines.Items", dask.base.tokenize(self.items)
+
+    def __str__(self) -> str:
+        from daskllm.graph.prompt import render_value
+
+        return render_value(self.items)
+
+
+def plain(value):
+    """A pipeline's output with Items as lists: eager and lazy runs compare equal."""
+    if isinstance(value, (Items, list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Eager:
+    """The same operations, each computed at once (naive plan) and returning values."""
+
+    model: str = "tiny"
+    settings: dict = field(default_factory=lambda: dict(NAIVE))
+    eager = True
+
+    def _run(self, node):
+        return daskllm.compute(node, **self.settings)[0]
+
+    def generate(self, template: str, *, model: str | None = None, max_tokens: int = 16, split=None, **slots):
+        node = Lazy(self.model).generate(template, model=model, max_tokens=max_tokens, split=split, **slots)
+        value = self._run(node)
+        if split is None:
+            return value
+        return [Items(v) for v in value] if node.batched else Items(value)
+
+    def choose(self, template: str, options: tuple[str, ...], *, model: str | None = None, **slots):
+        return self._run(Lazy(self.model).choose(template, options, model=model, **slots))
+
+    def search(self, index, queries, k: int = 3):
+        node = daskllm.search(index, queries, k=k)
+        value = self._run(node)
+        return [Items(v) for v in value] if node.batched else Items(value)
+
+    def rerank(self, query, docs, k: int | None = None):
+        return Items(self._run(daskllm.rerank(query, list(docs), k=k)))
+
+    def map(self, stream, fn, *args):
+        if isinstance(stream, Items):
+            return Items(fn(item, self, *args) for item in stream)
+        return [Items(fn(item, self, *args) for item in items) for items in stream]
+
+    def each(self, fn, *args):
+        widths = {len(a) for a in args if isinstance(a, list)}
+        if len(widths) > 1:
+            raise ValueError(f"each(): batch arguments of different sizes {sorted(widths)}")
+        if not widths:
+            return Items([fn(self, *args)])
+        return [Items([fn(self, *[a[i] if isinstance(a, list) else a for a in args])]) for i in range(widths.pop())]
+
+    def collect(self, stream):
+        return stream
+
+    def gather(self, batch):
+        return Items(batch)
