@@ -57,6 +57,8 @@ from collections import defaultdict
 from machine import log
 from machine import machine_info as shared_machine_info
 
+from daskllm.placement import set_policy
+
 POLICIES = ["cache_aware", "round_robin", "least_loaded", "prefix_affinity", "off"]
 TOPICS = ["parse a date string", "read a CSV file", "merge two dictionaries", "sort a list of tuples",
           "retry a failed HTTP request", "profile a slow function", "write a context manager",
@@ -139,13 +141,6 @@ def cold_start(client, timeout: float = 30.0) -> float:
             raise TimeoutError("worker cache reports did not empty")
         time.sleep(0.05)
     return time.perf_counter() - start
-
-
-def set_policy(client, policy: str) -> None:
-    def apply(dask_scheduler, policy):
-        dask_scheduler.plugins["daskllm-placement"].policy = policy
-
-    client.run_on_scheduler(apply, policy=policy)
 
 
 def decisions(client) -> dict:

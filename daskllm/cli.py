@@ -32,6 +32,26 @@ def demo(model, n_workers, n_requests, max_tokens, dashboard_address, keep_alive
             json.dump(summary, f, indent=2, default=str)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args):
+    """The benchmark harness (bench/harness.py; needs a source checkout). ``daskllm bench --help``."""
+    import pathlib
+    import runpy
+    import sys
+
+    harness = pathlib.Path(__file__).resolve().parent.parent / "bench" / "harness.py"
+    if not harness.is_file():
+        raise click.ClickException(f"daskllm bench runs bench/harness.py from a source checkout; {harness} is not "
+                                   "there (the harness and pipelines/ are not part of the installed package)")
+    sys.argv = [str(harness), *args]
+    try:
+        runpy.run_path(str(harness), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code:
+            raise
+
+
 @main.group()
 def models():
     """Model recipes (random weights, built offline) and the model cache."""

@@ -32,6 +32,11 @@ class Usage:
     tasks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # Dataframe operators (ddf.llm.*): per operator, rows, distinct inputs, executed calls, failed ones.
     operators: dict[str, dict] = field(default_factory=dict)
+    # Per LLM: prefill tokens computed and decode tokens (what the work cost, model by model).
+    models: dict[str, dict] = field(default_factory=dict)
+    # With daskllm.metering.prompt-blocks: the distinct tokens in the prefix tree of every
+    # prompt decoded (block-granular), the least prefill any plan could do; else None.
+    distinct_prompt_tokens: int | None = None
     task_keys: set = field(default_factory=set, repr=False)
 
     @property
@@ -42,7 +47,8 @@ class Usage:
         return {"requested": dict(self.requested), "executed": dict(self.executed),
                 "prefill_tokens_computed": self.prefill_tokens_computed,
                 "prefill_tokens_cached": self.prefill_tokens_cached, "decode_tokens": self.decode_tokens,
-                "tasks": dict(self.tasks), "operators": dict(self.operators)}
+                "tasks": dict(self.tasks), "operators": dict(self.operators), "models": dict(self.models),
+                "distinct_prompt_tokens": self.distinct_prompt_tokens}
 
     def __str__(self) -> str:
         ops = sorted(set(self.requested) | set(self.executed))
@@ -56,8 +62,20 @@ class Usage:
         return "\n".join(lines)
 
     def _add_records(self, records: dict[str, dict]) -> None:
+        blocks: set = set()
+        tails: dict = {}
         for record in records.values():
             op = record["op"]
+            if op in ("decode", "prefill") and "model" in record:
+                per_model = self.models.setdefault(record["model"], {"prefill_tokens_computed": 0, "decode_tokens": 0,
+                                                                     "distinct_prompt_tokens": None})
+                per_model["prefill_tokens_computed"] += record.get("computed_tokens",
+                                                                   record["prompt_tokens"] - record["cached_tokens"])
+                per_model["decode_tokens"] += record.get("decode_tokens", 0)
+            for full, tail_hash, tail_len in record.get("prompt_blocks", ()):
+                blocks.update((record["model"], h) for h in full)
+                if tail_len:
+                    tails[(record["model"], tail_hash)] = tail_len
             if op not in ("prefill", "dataframe"):
                 self.executed["generate" if op == "decode" else op] += record.get("calls", 0)
             if op == "decode":
@@ -75,6 +93,14 @@ class Usage:
                                                       {"rows": 0, "distinct": 0, "executed": 0, "failed": 0})
                     for k in stats:
                         stats[k] += record.get(k, 0)
+        if blocks or tails:
+            from daskllm import config
+
+            bs = config.get("engine.block-size")
+            for model, per_model in self.models.items():
+                per_model["distinct_prompt_tokens"] = (sum(bs for m, _ in blocks if m == model)
+                                                       + sum(n for (m, _), n in tails.items() if m == model))
+            self.distinct_prompt_tokens = len(blocks) * bs + sum(tails.values())
 
 
 class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``

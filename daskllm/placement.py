@@ -37,6 +37,7 @@ from daskllm import config
 
 logger = logging.getLogger(__name__)
 
+PLUGIN_NAME = "daskllm-placement"
 POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_affinity", "off")
 KIND_OF_OP = {"prefill": "llm", "decode": "llm", "embed": "embed", "rerank": "rerank"}
 EVENT_TOPIC = "daskllm-placement"
@@ -51,7 +52,7 @@ def _raise(message: str):
 
 
 class PlacementPlugin(SchedulerPlugin):
-    name = "daskllm-placement"
+    name = PLUGIN_NAME
 
     def __init__(self, policy: str | None = None, load_weight: float | None = None, block_size: int | None = None):
         self.policy = policy or config.get("placement.policy")
@@ -363,3 +364,17 @@ def _depths(tasks: dict) -> dict:
     for key in tasks:
         visit(key)
     return depth
+
+
+def set_policy(client, policy: str) -> None:
+    """Switch the running placement plugin of ``client``'s scheduler to ``policy``."""
+    if policy not in POLICIES:
+        raise ValueError(f"placement policy must be one of {POLICIES}, got {policy!r}")
+
+    def apply(dask_scheduler, policy):
+        plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+        if plugin is None:
+            raise LookupError("the scheduler runs no daskllm placement plugin")
+        plugin.policy = policy
+
+    client.run_on_scheduler(apply, policy=policy)

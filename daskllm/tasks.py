@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from daskllm import config
 from daskllm.engines import PrefillHandle, SamplingParams
 from daskllm.graph.prompt import render_value
 from daskllm.worker import get_engine, host
@@ -48,11 +49,24 @@ def _record(task_key: str, op: str, **counters) -> None:
     host().usage[task_key] = {"op": op, "time": time.time(), **counters}
 
 
-def _record_decode(task_key: str, completions, **extra) -> None:
-    _record(task_key, "decode", calls=len(completions),
+def _record_decode(task_key: str, model: str, completions, **extra) -> None:
+    if config.get("metering.prompt-blocks"):
+        extra["prompt_blocks"] = [prompt_blocks(c.prompt_token_ids) for c in completions]
+    _record(task_key, "decode", model=model, calls=len(completions),
             prompt_tokens=sum(c.num_prompt_tokens for c in completions),
             cached_tokens=sum(c.num_cached_tokens for c in completions),
             decode_tokens=sum(len(c.token_ids) for c in completions), **extra)
+
+
+def prompt_blocks(token_ids) -> tuple[list[int], int, int]:
+    """A prompt's shape in the prefix tree: its full blocks' chained hashes, and the hash and
+    length of its partial last block (what a benchmark needs for the distinct-prefix bound)."""
+    from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
+
+    bs = config.get("engine.block-size")
+    full = block_hashes(token_ids, bs)
+    tail = list(token_ids[len(full) * bs:])
+    return full, hash_block(full[-1] if full else ROOT_HASH, tail) if tail else 0, len(tail)
 
 
 def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list, *deps) -> list[str]:
@@ -60,7 +74,7 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list,
     engine = get_engine(model)
     prompts = [_tokens(parts, deps, engine) for parts in items]
     completions = engine.generate(prompts, sampling)
-    _record_decode(task_key, completions)
+    _record_decode(task_key, model, completions)
     return [c.text for c in completions]
 
 
@@ -78,7 +92,7 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split,
     finally:
         if writer is not None:
             writer.close()
-    _record_decode(task_key, completions, streamed=writer is not None)  # its "time" is when the decode ended
+    _record_decode(task_key, model, completions, streamed=writer is not None)  # its "time" is when the decode ended
     out = []
     for i, c in enumerate(completions):
         try:
@@ -113,7 +127,7 @@ def run_prefill(task_key: str, model: str, parts: list, *deps) -> PrefillHandle:
     """Put a prefix in this worker's cache; returns a small handle, never KV tensors."""
     engine = get_engine(model)
     handle = engine.prefill(_tokens(parts, deps, engine))
-    _record(task_key, "prefill", calls=1, prompt_tokens=handle.num_tokens, cached_tokens=handle.num_cached_tokens,
+    _record(task_key, "prefill", model=model, calls=1, prompt_tokens=handle.num_tokens, cached_tokens=handle.num_cached_tokens,
             computed_tokens=handle.num_tokens - handle.num_cached_tokens)
     return handle
 

@@ -264,6 +264,26 @@ def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
     return client.run(models)
 
 
+def workers_holding(model: str, kind: str = "llm") -> int:
+    """How many workers of the current cluster hold ``model`` (1 without a cluster), from the
+    scheduler's view of their heartbeats."""
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except ValueError:
+        return 1
+    if client.asynchronous:
+        return 1
+    try:
+        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    except TypeError:
+        workers = client.scheduler_info()["workers"].values()
+    holding = sum(model in ((w.get("metrics") or {}).get("daskllm") or {}).get("models", {}).get(kind, ())
+                  for w in workers)
+    return max(1, holding)
+
+
 def default_num_threads(workers_on_this_machine: int) -> int:
     """torch threads per engine: the machine's cores shared among its workers."""
     return max(1, (os.cpu_count() or 1) // max(1, workers_on_this_machine))

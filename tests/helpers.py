@@ -6,6 +6,7 @@ import time
 
 from distributed.utils_test import poll_for
 
+from daskllm.placement import set_policy  # noqa: F401 (tests import it from here)
 from daskllm.rewrite.cache import RESULTS
 from daskllm.worker import reset_prefix_caches
 
@@ -36,10 +37,3 @@ def cold_start(client) -> None:
     poll_for(empty, timeout=30, period=0.5)
 
 
-def set_policy(client, policy: str) -> None:
-    """Switch the running placement plugin's policy."""
-
-    def apply(dask_scheduler, policy):
-        dask_scheduler.plugins["daskllm-placement"].policy = policy
-
-    client.run_on_scheduler(apply, policy=policy)

@@ -124,7 +124,11 @@ def _prefill_ratio_check(client):
     questions = [q + " Please be specific about edge cases, error handling and performance." for q in QUESTIONS]
     calls = [daskllm.generate(daskllm.prompt(system + "Question: {q}\nAnswer:", q=questions + questions[:4]),
                               max_tokens=4) for system in (SYSTEM_A, SYSTEM_B)]
-    bound = lowered(calls).report["prefill_lower_bound"]
+    report = lowered(calls).report
+    # One engine could prefill each shared prefix once; with the batch spread over both
+    # workers, each holds a copy of the prefixes it serves (the replicas' tokens).
+    lower = report["prefill_lower_bound"]
+    bound = lower + report["prefill_replica_tokens"]
     cold_start(client)  # earlier tests used these system prompts: start cold
     with daskllm.usage() as on:
         optimized = daskllm.compute(*calls)
@@ -141,7 +145,7 @@ def _prefill_ratio_check(client):
     assert off.executed["generate"] == 2 * (len(QUESTIONS) + 4)
     assert on.prefill_tokens_computed / bound <= 1.1
     # Off, the engine's own prefix cache still catches some reuse (measured 1.6-1.7 here).
-    assert off.prefill_tokens_computed / bound > 1.4
+    assert off.prefill_tokens_computed / lower > 1.4
 
 
 def test_partial_prefill_runs_beside_the_retrieval_it_waits_for(client, stdlib_corpus):

@@ -31,6 +31,7 @@ from daskllm.engines.kv_cache import block_hashes
 from daskllm.graph.items import Dyn, hashes, item_of, items, pmap_args, static_prefix
 from daskllm.graph.nodes import BATCHABLE_OPS, Node, _registry, stable_hash
 from daskllm.graph.prompt import tokenizer_for
+from daskllm.worker import workers_holding
 from daskllm.rewrite import PassManager
 from daskllm.rewrite.cache import RESULTS, cacheable
 
@@ -139,6 +140,7 @@ class _Lowering:
         self.outputs: dict[str, str] = {}  # node key -> the key of the task holding its value
         self.replicas: dict[str, int] = {}
         self._settings_token: str | None = None
+        self.replica_tokens = 0
 
     def run(self) -> Lowered:
         for node in nx.topological_sort(self.g):
@@ -163,7 +165,8 @@ class _Lowering:
             deps[names[op]] = {layer_of[d] for task in mapping.values() for d in task.dependencies} - {names[op]}
         self.report.update(tasks=dict(self.counts), requested=dict(self.requested),
                            applied=list(self.g.graph.get("applied", [])),
-                           prefill_lower_bound=prefill_lower_bound(self.static_prompts))
+                           prefill_lower_bound=prefill_lower_bound(self.static_prompts),
+                           prefill_replica_tokens=self.replica_tokens)
         return Lowered(HighLevelGraph(layers, deps), self.g, self.report, self.outputs)
 
     def _add(self, op: str, key: str, task, annotation: dict | None = None) -> None:
@@ -282,12 +285,14 @@ class _Lowering:
         if key not in self.layers["prefill"]:
             self._add("prefill", key, Task(key, tasks.run_prefill, key, model, [tokens]),
                       self._llm_annotation("prefill", model, [tokens], 0, 1))
+            if replica:  # a copy on another worker: prefill work above the single-engine bound
+                self.replica_tokens += len(tokens)
         return key
 
     def _replicas(self, model: str) -> int:
         if model not in self.replicas:
             setting = config.get("rewrite.prefill-replicas")
-            self.replicas[model] = max(1, int(setting)) if setting != "auto" else _workers_holding(model)
+            self.replicas[model] = max(1, int(setting)) if setting != "auto" else workers_holding(model)
         return self.replicas[model]
 
     def _lower_generate(self, node: Node) -> None:
@@ -426,25 +431,6 @@ class _Lowering:
 @functools.lru_cache(maxsize=65536)
 def _hex_block_hashes(tokens: tuple[int, ...], block: int) -> tuple[str, ...]:
     return tuple(format(h, "x") for h in block_hashes(tokens, block))
-
-
-def _workers_holding(model: str) -> int:
-    """How many workers of the current cluster hold ``model`` (1 without a cluster)."""
-    try:
-        from distributed import default_client
-
-        client = default_client()
-    except ValueError:
-        return 1
-    if client.asynchronous:
-        return 1
-    try:
-        workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    except TypeError:
-        workers = client.scheduler_info()["workers"].values()
-    holding = sum(model in ((w.get("metrics") or {}).get("daskllm") or {}).get("models", {}).get("llm", ())
-                  for w in workers)
-    return max(1, holding)
 
 
 def prefill_lower_bound(prompts) -> int:

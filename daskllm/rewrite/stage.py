@@ -1,7 +1,8 @@
 """Stage decomposition (Teola): a big batched call is split into stages that pipeline.
 
 A batched embed, search, rerank or generate larger than its engine's efficient batch is
-cut into shards of that size; each shard of a consumer depends only on the shards of its
+cut into shards of that size, and a batch smaller than that into one shard per worker
+holding its model (Halo's (operator, query shard) tasks: every engine gets work); each shard of a consumer depends only on the shards of its
 producers that hold its inputs, so the first stage of the downstream op starts while
 later stages of the upstream one still run. A consumer that needs everything depends on
 all shards (the aggregate). Without this pass a batched node is one task.
@@ -14,16 +15,31 @@ import networkx as nx
 from daskllm import config
 
 
+# The engine kind each op runs on (its model is in node.params["model"]).
+KIND = {"generate": "llm", "embed": "embed", "rerank": "rerank"}
+
+
 class StageSplit:
     name = "stage"
 
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
+        from daskllm.worker import workers_holding
+
         sizes = config.get("rewrite.stage-size")
+        holding: dict[tuple[str, str], int] = {}
         split = {}
         for node in graph:
             size = sizes.get(node.op)
-            if size and node.batched and node.width > size:
-                graph.nodes[node]["shard_size"] = int(size)
-                split[node.label] = -(-node.width // int(size))
+            if not (size and node.batched):
+                continue
+            size = int(size)
+            if "model" in node.params and node.op in KIND:
+                where = (node.params["model"], KIND[node.op])
+                if where not in holding:
+                    holding[where] = workers_holding(*where)
+                size = min(size, -(-node.width // holding[where]))
+            if node.width > size:
+                graph.nodes[node]["shard_size"] = size
+                split[node.label] = -(-node.width // size)
         graph.graph["report"]["stage"] = {"nodes_split": len(split), "stages": sum(split.values())}
         return graph

@@ -1,0 +1,333 @@
+"""The benchmark harness: the papers' pipelines under daskllm and its baselines, side by side.
+
+    python bench/harness.py --pipelines w2,trading --queries 32 --model small --json harness.json
+    python bench/harness.py --quick                 # every pipeline, tiny model, 4 queries, one repetition
+    daskllm bench --pipelines factool --queries 16  # the same, from a source checkout
+
+Systems, all on the same cluster and the same resident engines, so only orchestration differs:
+
+- ``sequential``: one query at a time, each call waiting for the last (a loop over an LLM client);
+- ``opwise``: one operator at a time over the whole batch, a barrier after each (black-box UDFs);
+- ``dask``: the pipeline's graph with plain Dask: a task per call, no rewrites, placement off;
+- ``daskllm``: everything on;
+- ablations of ``daskllm`` with one feature off: ``-cse``, ``-prefix`` (shared-prefix
+  prefill), ``-stage`` (stage split), ``-pipeline`` (decode pipelining), ``-cache`` (result
+  cache) and ``-placement`` (plain Dask placement instead of cache-aware).
+
+After one unmeasured warm-up run, every repetition runs every system once, in a rotating
+order, each from a cold start (empty
+prefix caches and result caches on the client and every worker). Reported per pipeline and
+system: the median wall time; speedup = the median over repetitions of the system's time
+divided by ``daskllm``'s in the same repetition; prefill tokens computed and their ratio to
+the distinct-prefix lower bound (every prompt decoded, in blocks, de-duplicated: no plan can
+prefill less); the prefix-cache hit rate and mean decode batch from the engines' counters;
+the number of Dask tasks; and **efficiency** = ideal time / actual time, where the ideal time
+is the distinct prefill tokens and the decode tokens at the engines' best measured per-token
+costs (calibrated at start, per model), divided among the workers. Every system's outputs
+must equal the first run's (greedy decoding): the script exits with status 1 if not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from machine import log, machine_info  # noqa: E402
+
+BASELINES = ("sequential", "opwise", "dask")
+ABLATIONS = {"-cse": "cse", "-prefix": "prefix", "-stage": "stage", "-pipeline": "pipeline", "-cache": "cache",
+             "-placement": None}
+SYSTEMS = (*BASELINES, "daskllm", *ABLATIONS)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pipelines import registry
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pipelines", default="all", help=f"comma-separated, or all: {', '.join(registry())}")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {', '.join(SYSTEMS)}")
+    parser.add_argument("--queries", type=int, default=16)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--model2", default="tiny", help="the second model of two-model pipelines (w3, w5)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=8, help="Dask threads per worker")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--source", default="auto", help="questions: auto, stdlib, hotpotqa, parallelqa, movies")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 queries, 4 tokens, one repetition")
+    parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--plot", help="write a speedup chart (PNG) here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.queries, args.max_tokens, args.repeats = "tiny", 4, 4, 1
+    names = list(registry()) if args.pipelines == "all" else args.pipelines.split(",")
+    unknown = [n for n in names if n not in registry()]
+    systems = args.systems.split(",")
+    unknown += [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown pipelines or systems: {unknown}")
+    if "daskllm" not in systems:
+        systems.append("daskllm")  # the reference for every ratio
+    args.pipeline_names, args.system_names = names, systems
+    return args
+
+
+# --- running one system -------------------------------------------------------------------
+
+
+def run_system(system: str, fn, inputs, config: dict):
+    """The pipeline's answers, computed the way ``system`` orchestrates."""
+    import daskllm
+    from daskllm import config as daskllm_config
+    from pipelines.ops import NAIVE, Eager, plain
+
+    if system == "sequential":
+        return [plain(fn(inputs.subset(i, i + 1), Eager(config["model"]), **config))[0] for i in range(len(inputs))]
+    if system == "opwise":
+        return plain(fn(inputs, Eager(config["model"]), **config))
+    nodes = fn(inputs, **config)
+    if system == "dask":
+        return plain(daskllm.compute(nodes, **NAIVE)[0])
+    off = ABLATIONS.get(system)
+    settings = {"passes": [p for p in daskllm_config.get("rewrite.passes") if p != off]} if off else {}
+    if system == "-cache":
+        settings["result_cache"] = False
+    return plain(daskllm.compute(nodes, **settings)[0])
+
+
+def placement_for(system: str) -> str:
+    return "cache_aware" if system == "daskllm" or (system in ABLATIONS and system != "-placement") else "off"
+
+
+def cold_start(client) -> None:
+    """Empty every cache a run could reuse: prefix caches, and result caches on the client and
+    on every worker (nested plans run there), once the previous run's tasks are gone."""
+    from daskllm.rewrite.cache import RESULTS
+    from daskllm.worker import reset_prefix_caches
+
+    def leftovers(dask_scheduler):
+        return sum(1 for ts in dask_scheduler.tasks.values() if not ts.who_wants)
+
+    deadline = time.monotonic() + 30
+    while client.run_on_scheduler(leftovers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    RESULTS.clear()
+    client.run(_clear_worker_results)
+    client.run(reset_prefix_caches)
+
+
+def _clear_worker_results() -> None:
+    from daskllm.rewrite.cache import RESULTS
+
+    RESULTS.clear()
+
+
+def engine_totals(client) -> dict:
+    from daskllm.worker import engine_stats
+
+    totals = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "steps": 0, "batched_sequences": 0}
+    for per_worker in client.run(engine_stats).values():
+        for stats in per_worker.values():
+            for key in totals:
+                totals[key] += stats[key]
+    return totals
+
+
+def measure(client, system: str, fn, inputs, config: dict) -> dict:
+    import daskllm
+    from daskllm.placement import set_policy
+    from distributed import get_task_stream
+
+    cold_start(client)
+    set_policy(client, placement_for(system))
+    before = engine_totals(client)
+    with get_task_stream(client) as stream, daskllm.usage() as usage:
+        start = time.perf_counter()
+        outputs = run_system(system, fn, inputs, config)
+        seconds = time.perf_counter() - start
+    after = engine_totals(client)
+    delta = {k: after[k] - before[k] for k in after}
+    prompt = delta["prefill_tokens_computed"] + delta["prefill_tokens_cached"]
+    return {"seconds": seconds, "outputs": outputs, "tasks": len(stream.data),
+            "prefill_tokens_computed": delta["prefill_tokens_computed"],
+            "hit_rate": delta["prefill_tokens_cached"] / prompt if prompt else 0.0,
+            "mean_batch": delta["batched_sequences"] / delta["steps"] if delta["steps"] else 0.0,
+            "models": usage.models, "distinct_prompt_tokens": usage.distinct_prompt_tokens}
+
+
+# --- the engines' best per-token costs ------------------------------------------------------
+
+
+def calibrate(model: str, prefill_prompts: int = 16, prompt_tokens: int = 256, decode_seqs: int = 64,
+              decode_tokens: int = 24, dask_worker=None) -> dict:
+    """Seconds per prefill token (a big batch of fresh prompts) and per decode token (a full
+    batch of short prompts), on this worker's engine: the best it does."""
+    import random
+
+    from daskllm.engines import SamplingParams
+    from daskllm.worker import get_engine
+
+    engine = get_engine(model)
+    rng = random.Random(os.getpid())
+    vocab = 16000
+
+    def fresh(n):
+        return [[0] + [rng.randrange(10, vocab) for _ in range(n - 1)]]
+
+    start = time.perf_counter()
+    engine.generate([fresh(prompt_tokens)[0] for _ in range(prefill_prompts)], SamplingParams(max_tokens=1))
+    prefill = (time.perf_counter() - start) / (prefill_prompts * prompt_tokens)
+    start = time.perf_counter()
+    engine.generate([fresh(8)[0] for _ in range(decode_seqs)],
+                    SamplingParams(max_tokens=decode_tokens, ignore_eos=True))
+    decode = max(0.0, time.perf_counter() - start - decode_seqs * 8 * prefill) / (decode_seqs * decode_tokens)
+    return {"prefill_s_per_token": prefill, "decode_s_per_token": decode}
+
+
+def costs(client, models: list[str]) -> dict[str, dict]:
+    out = {}
+    for model in models:
+        runs = [client.run(calibrate, model) for _ in range(2)]
+        per = [c for run in runs for c in run.values()]
+        out[model] = {k: min(c[k] for c in per) for k in per[0]}
+    return out
+
+
+def ideal_seconds(run: dict, cost: dict[str, dict], workers: int) -> float | None:
+    total = 0.0
+    for model, m in run["models"].items():
+        if m.get("distinct_prompt_tokens") is None or model not in cost:
+            return None
+        total += (m["distinct_prompt_tokens"] * cost[model]["prefill_s_per_token"]
+                  + m["decode_tokens"] * cost[model]["decode_s_per_token"])
+    return total / workers
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+
+
+def bench_pipeline(client, name: str, fn, inputs, config: dict, systems: list[str], repeats: int,
+                   cost: dict, workers: int) -> dict:
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    run_system("daskllm", fn, inputs, config)  # warm-up, not measured: first-use costs of every code path
+    reference = None
+    for r in range(repeats):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for system in order:
+            result = measure(client, system, fn, inputs, config)
+            if reference is None:
+                reference = result["outputs"]
+            result["exact"] = result["outputs"] == reference
+            runs[system].append(result)
+            log(f"  {name:15s} {system:11s} {result['seconds']:7.2f} s  tasks {result['tasks']:5d}  "
+                f"hit rate {result['hit_rate']:.2f}  batch {result['mean_batch']:.1f}"
+                f"{'' if result['exact'] else '  OUTPUTS DIFFER'}")
+    bound = next((r["distinct_prompt_tokens"] for rs in runs.values() for r in rs if r["distinct_prompt_tokens"]), None)
+    summary = {}
+    for system, rs in runs.items():
+        ratios = [r["seconds"] / d["seconds"] for r, d in zip(rs, runs["daskllm"])]
+        ideal = [ideal_seconds(r, cost, workers) for r in rs]
+        summary[system] = {
+            "seconds": statistics.median(r["seconds"] for r in rs),
+            "vs_daskllm": statistics.median(ratios),
+            "prefill_tokens_computed": statistics.median(r["prefill_tokens_computed"] for r in rs),
+            "prefill_vs_bound": (statistics.median(r["prefill_tokens_computed"] for r in rs) / bound
+                                 if bound else None),
+            "hit_rate": statistics.median(r["hit_rate"] for r in rs),
+            "mean_batch": statistics.median(r["mean_batch"] for r in rs),
+            "tasks": statistics.median(r["tasks"] for r in rs),
+            "efficiency": (statistics.median(i / r["seconds"] for i, r in zip(ideal, rs))
+                           if all(i is not None for i in ideal) else None),
+            "exact": all(r["exact"] for r in rs),
+        }
+    return {"pipeline": name, "distinct_prompt_tokens": bound, "systems": summary,
+            "raw": {s: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for s, rs in runs.items()}}
+
+
+def markdown(results: list[dict], args) -> str:
+    lines = [f"model `{args.model}`, {args.workers} workers x {args.threads} threads, {args.queries} queries, "
+             f"{args.max_tokens} tokens per call, {args.repeats} repetitions (median)\n",
+             "| pipeline | system | wall s | x daskllm's time | prefill computed / bound | hit rate | mean batch | "
+             "tasks | efficiency | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for system, s in res["systems"].items():
+            bound = f"{s['prefill_vs_bound']:.2f}" if s["prefill_vs_bound"] is not None else "-"
+            eff = f"{s['efficiency']:.2f}" if s["efficiency"] is not None else "-"
+            lines.append(f"| {res['pipeline']} | {system} | {s['seconds']:.2f} | {s['vs_daskllm']:.2f} | {bound} | "
+                         f"{s['hit_rate']:.2f} | {s['mean_batch']:.1f} | {s['tasks']:.0f} | {eff} | "
+                         f"{'yes' if s['exact'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    baselines = [b for b in BASELINES if all(b in r["systems"] for r in results)]
+    names = [r["pipeline"] for r in results]
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.7), 3.5))
+    width = 0.8 / max(1, len(baselines))
+    for j, b in enumerate(baselines):
+        ax.bar([i + j * width for i in range(len(names))], [r["systems"][b]["vs_daskllm"] for r in results],
+               width, label=f"daskllm over {b}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks([i + width * (len(baselines) - 1) / 2 for i in range(len(names))], names, rotation=45, ha="right")
+    ax.set_ylabel("speedup (x)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import dask
+    from distributed import Client
+
+    import daskllm
+    from pipelines import TWO_MODELS, registry
+    from pipelines.data import make_inputs
+
+    registry_ = registry()
+    two = any(n in TWO_MODELS for n in args.pipeline_names)
+    models = [args.model] + ([args.model2] if two and args.model2 != args.model else [])
+    # Workers inherit this config: their usage records carry each prompt's block hashes.
+    dask.config.set({"daskllm.metering.prompt-blocks": True})
+    log(f"cluster: {args.workers} workers x {args.threads} threads, models {models}")
+    results = []
+    with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, threads_per_worker=args.threads,
+                                 dashboard_address=":0") as cluster, Client(cluster) as client:
+        inputs = make_inputs(client, args.queries, source=args.source)
+        cost = costs(client, models)
+        log(f"engine costs (best of workers): {json.dumps(cost)}")
+        for name in args.pipeline_names:
+            config = {"model": args.model, "max_tokens": args.max_tokens,
+                      **({"model2": args.model2} if name in TWO_MODELS else {})}
+            results.append(bench_pipeline(client, name, registry_[name], inputs, config, args.system_names,
+                                          args.repeats, cost, args.workers))
+    report = markdown(results, args)
+    print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "costs": cost, "results": results,
+                       "machine": machine_info(), "command": " ".join(sys.argv)}, f, indent=2, default=str)
+    if args.plot:
+        plot(results, args.plot)
+    if not all(s["exact"] for r in results for s in r["systems"].values()):
+        log("some system's outputs differ from the first run's")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
