@@ -90,7 +90,8 @@ def run_system(system: str, fn, inputs, config: dict):
     from pipelines.ops import NAIVE, Eager, plain
 
     if system == "sequential":
-        return [plain(fn(inputs.subset(i, i + 1), Eager(config["model"]), **config))[0] for i in range(len(inputs))]
+        one_by_one = Eager(config["model"], parallel=False)
+        return [plain(fn(inputs.subset(i, i + 1), one_by_one, **config))[0] for i in range(len(inputs))]
     if system == "opwise":
         return plain(fn(inputs, Eager(config["model"]), **config))
     nodes = fn(inputs, **config)

@@ -49,7 +49,10 @@ def questions(n: int) -> list[str]:
             f"Assistant:" for i in range(n)]
 
 
-def table_job(model: str, rows: int = 400, max_tokens: int = 12, echo=print) -> dict:
+MAP_TEMPLATE = "In one line, what is the {module} module for?"
+
+
+def table_job(model: str, rows: int = 300, max_tokens: int = 12, echo=print) -> dict:
     """Batch analytics over the standard-library table: ``ddf.llm`` map, filter and extract,
     and the same map written as plain Dask (each partition's prompts sent to the engine)."""
     import dask.dataframe as dd
@@ -61,15 +64,14 @@ def table_job(model: str, rows: int = 400, max_tokens: int = 12, echo=print) -> 
     echo(f"\nA table job over {rows} rows of the standard-library table: ddf.llm.map, .filter, .extract ...")
     t0 = time.perf_counter()
     with daskllm.usage() as usage:
-        purpose = docs.llm.map("In one line, what is the {module} module for?", model=model, max_tokens=max_tokens,
-                               out="purpose")
-        public = docs.llm.filter("Is {qualname} part of the public API?", model=model)
-        fields = docs.llm.extract("{first_sentence}", {"verb": str}, model=model, max_tokens=max_tokens,
+        purpose = docs.llm.map(MAP_TEMPLATE, model=model, max_tokens=max_tokens, out="purpose")
+        public = docs.llm.filter("Is the {module} module about files or the operating system?", model=model)
+        fields = docs.llm.extract("The {module} module", {"topic": str}, model=model, max_tokens=max_tokens,
                                   on_error="null")
         out, kept, extracted = dask.compute(purpose, public, fields)
     elapsed = time.perf_counter() - t0
     echo(out[["module", "purpose"]].head(3).to_string(max_colwidth=60))
-    echo(f"filter kept {len(kept)} of {rows} rows; extract parsed {int(extracted['verb'].notna().sum())} of {rows} "
+    echo(f"filter kept {len(kept)} of {rows} rows; extract parsed {int(extracted['topic'].notna().sum())} of {rows} "
          f"(the model has random weights: its JSON rarely parses, and failed rows say why in extract_error)")
     for name, stats in usage.operators.items():
         echo(f"  ddf.llm.{name}: {stats['rows']} rows, {stats['distinct']} distinct prompts, "
@@ -78,8 +80,7 @@ def table_job(model: str, rows: int = 400, max_tokens: int = 12, echo=print) -> 
 
     t1 = time.perf_counter()
     with daskllm.usage() as map_usage:
-        docs.llm.map("In one line, what is the {module} module for?", model=model, max_tokens=max_tokens,
-                     out="purpose").compute()
+        docs.llm.map(MAP_TEMPLATE, model=model, max_tokens=max_tokens, out="purpose").compute()
     ours = time.perf_counter() - t1
     t2 = time.perf_counter()
     plain = docs.map_partitions(_plain_dask_map, model, max_tokens, meta=docs._meta.assign(purpose="")).compute()
@@ -95,15 +96,20 @@ def table_job(model: str, rows: int = 400, max_tokens: int = 12, echo=print) -> 
 
 def _plain_dask_map(part, model, max_tokens):
     """What a Dask user writes without daskllm: the partition's prompts to the worker's engine."""
-    from daskllm import SamplingParams, get_engine
+    from daskllm import SamplingParams, get_engine, prompt
+    from daskllm.graph.prompt import Text, tokenizer_for
 
-    engine = get_engine(model)
-    prompts = [engine.tokenize(f"In one line, what is the {m} module for?") for m in part["module"]]
+    engine, tok = get_engine(model), tokenizer_for(model)
+    prompts = []
+    for row in part.to_dict("records"):  # the prompt's pieces tokenized as daskllm.prompt does
+        p = prompt(MAP_TEMPLATE, module=row["module"])
+        prompts.append(list(tok.prefix_ids) + [t for seg in p.segments for t in
+                                               tok.encode(seg.text if isinstance(seg, Text) else p.values[seg.name])])
     completions = engine.generate(prompts, SamplingParams(max_tokens=max_tokens)) if prompts else []
     return part.assign(purpose=[c.text for c in completions])
 
 
-def rag_job(client, model: str, questions: int = 6, passages: int = 1500, max_tokens: int = 24, echo=print) -> dict:
+def rag_job(client, model: str, questions: int = 6, passages: int = 1000, max_tokens: int = 24, echo=print) -> dict:
     """Retrieval-augmented answers over the same corpus: real MiniLM embeddings in a sharded
     vector index, top-3 search per question, answers generated from the passages."""
     import daskllm

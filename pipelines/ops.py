@@ -6,8 +6,9 @@ whole when computed. With :class:`Eager` each operation computes right away, wit
 plan, and returns values: that is how a plain program over an LLM client runs. The
 benchmark's baselines are these two run differently (see ``bench/harness.py``):
 
-- ``sequential``: Eager, one query at a time (each call waits for the last);
-- ``opwise``: Eager over the whole batch (one operator at a time, a barrier after each);
+- ``sequential``: Eager, one query at a time, nothing in parallel (each call waits for the last);
+- ``opwise``: Eager over the whole batch (one operator at a time, a barrier after each;
+  per-item functions run for all items at once, as a UDF over the batch would);
 - ``dask``: Lazy, computed with no rewrites, one task per call, placement off;
 - ``daskllm``: Lazy, everything on.
 
@@ -142,11 +143,24 @@ def plain(value):
 
 @dataclass(frozen=True)
 class Eager:
-    """The same operations, each computed at once (naive plan) and returning values."""
+    """The same operations, each computed at once (naive plan) and returning values.
+
+    ``parallel``: ``map`` and ``each`` run their function for every item at once (in
+    threads), as a UDF over a batch would; otherwise one item after another.
+    """
 
     model: str = "tiny"
     settings: dict = field(default_factory=lambda: dict(NAIVE))
+    parallel: bool = True
     eager = True
+
+    def _apply(self, fn, arguments: list[tuple]) -> list:
+        if not self.parallel or len(arguments) < 2:
+            return [fn(*a) for a in arguments]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(64, len(arguments))) as pool:
+            return list(pool.map(lambda a: fn(*a), arguments))
 
     def _run(self, node):
         return daskllm.compute(node, **self.settings)[0]
@@ -170,9 +184,11 @@ class Eager:
         return Items(self._run(daskllm.rerank(query, list(docs), k=k)))
 
     def map(self, stream, fn, *args):
-        if isinstance(stream, Items):
-            return Items(fn(item, self, *args) for item in stream)
-        return [Items(fn(item, self, *args) for item in items) for items in stream]
+        rows = [stream] if isinstance(stream, Items) else list(stream)
+        flat = [(item, self, *args) for items in rows for item in items]
+        results = iter(self._apply(fn, flat))
+        mapped = [Items([next(results) for _ in items]) for items in rows]
+        return mapped[0] if isinstance(stream, Items) else mapped
 
     def each(self, fn, *args):
         widths = {len(a) for a in args if isinstance(a, list)}
@@ -180,7 +196,8 @@ class Eager:
             raise ValueError(f"each(): batch arguments of different sizes {sorted(widths)}")
         if not widths:
             return Items([fn(self, *args)])
-        return [Items([fn(self, *[a[i] if isinstance(a, list) else a for a in args])]) for i in range(widths.pop())]
+        calls = [(self, *[a[i] if isinstance(a, list) else a for a in args]) for i in range(widths.pop())]
+        return [Items([r]) for r in self._apply(fn, calls)]
 
     def collect(self, stream):
         return stream

@@ -54,7 +54,8 @@ def test_optimized_naive_opwise_and_sequential_runs_agree(client, inputs, name):
         optimized = plain(daskllm.compute(fn(inputs, **config))[0])
     naive = plain(daskllm.compute(fn(inputs, **config), **NAIVE)[0])
     opwise = plain(fn(inputs, Eager("tiny"), **config))
-    sequential = [plain(fn(inputs.subset(i, i + 1), Eager("tiny"), **config))[0] for i in range(len(inputs))]
+    one_by_one = Eager("tiny", parallel=False)
+    sequential = [plain(fn(inputs.subset(i, i + 1), one_by_one, **config))[0] for i in range(len(inputs))]
     assert len(optimized) == len(inputs)
     assert optimized == naive == opwise == sequential
     assert usage.executed.get("generate", 0) >= len(inputs)
