@@ -340,7 +340,7 @@ def main(argv=None) -> int:
             row = {"instance": name, "calls": len(calls), "optimal": best, "orders": {}}
             for system, candidates in orders(calls, args.capacity, args.random_seeds).items():
                 costs = [token_steps(calls, o, args.capacity) for o in candidates]
-                hits = [hit_rate(calls, o, args.cache_tokens) for o in candidates]
+                hits = [hit_rate(calls, o, int(args.cache_tokens.split(",")[0])) for o in candidates]
                 cost = statistics.mean(costs)
                 row["orders"][system] = {"cost": cost, "hit_rate": statistics.mean(hits),
                                          "gap": (cost - best["cost"]) / best["cost"] if best["cost"] else None}

@@ -83,7 +83,7 @@ class Usage:
                 self.prefill_tokens_cached += record["cached_tokens"]
                 self.decode_tokens += record["decode_tokens"]
             elif op == "prefill":
-                self.executed["prefill"] += 1
+                self.executed["prefill"] += record.get("calls", 1)
                 self.prefill_tokens_computed += record["computed_tokens"]
             elif op in ("pmap", "dataframe"):  # what the work it started asked for, lowered on a worker
                 for child_op, n in record.get("requested", {}).items():

@@ -132,6 +132,16 @@ def run_prefill(task_key: str, model: str, parts: list, *deps) -> PrefillHandle:
     return handle
 
 
+def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillHandle]:
+    """Put several known prefixes (a decode shard's partial prompts) in this worker's cache at once."""
+    engine = get_engine(model)
+    handles = [f.result() for f in [engine.submit_prefill(list(p)) for p in prefixes]]
+    _record(task_key, "prefill", model=model, calls=len(handles), prompt_tokens=sum(h.num_tokens for h in handles),
+            cached_tokens=sum(h.num_cached_tokens for h in handles),
+            computed_tokens=sum(h.num_tokens - h.num_cached_tokens for h in handles))
+    return handles
+
+
 def run_embed(task_key: str, model: str, items: list, *deps) -> list[np.ndarray]:
     texts = [render_value(_value(part, deps)) for part in items]
     vectors = get_engine(model, "embed").embed(texts)

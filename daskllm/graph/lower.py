@@ -289,6 +289,16 @@ class _Lowering:
                 self.replica_tokens += len(tokens)
         return key
 
+    def _partial_prefills(self, model: str, prefills: list[Node]) -> str:
+        """One task prefilling what a decode shard's waiting calls already know: it is placed
+        (and its blocks cached) where the shard will run, and costs one task, not one per call."""
+        tokens = sorted({p.params["tokens"] for p in prefills})
+        key = f"prefill-{stable_hash(model, tokens)}"
+        if key not in self.layers["prefill"]:
+            self._add("prefill", key, Task(key, tasks.run_prefill_many, key, model, tokens),
+                      self._llm_annotation("prefill", model, tokens, 0, len(tokens)))
+        return key
+
     def _replicas(self, model: str) -> int:
         if model not in self.replicas:
             setting = config.get("rewrite.prefill-replicas")
@@ -305,8 +315,12 @@ class _Lowering:
         for number, shard in enumerate(self._shards(node, todo)):
             key = f"decode-{self._shard_token(node, item_hashes, shard)}"
             resolved, deps = self._deps_for([all_items[i] for i in shard])
+            partial = [prefills[i] for i in shard if prefills[i] is not None and prefills[i].params.get("partial")]
             pre_keys = {self._prefill_replica(prefills[i], number) if self.loc[prefills[i]] == [None]
-                        else self.loc[prefills[i]][0][0] for i in shard if prefills[i] is not None}
+                        else self.loc[prefills[i]][0][0] for i in shard
+                        if prefills[i] is not None and not prefills[i].params.get("partial")}
+            if partial:
+                pre_keys.add(self._partial_prefills(model, partial))
             deps += [TaskRef(k) for k in sorted(pre_keys)]
             prefixes = [static_prefix(all_items[i]) for i in shard]
             if split is None:

@@ -105,7 +105,10 @@ class SharedPrefixPrefill:
                         continue
                     key = (model, tokens)
                     if key not in prefills:
-                        prefills[key] = Node("prefill", params={"model": model, "tokens": tokens})
+                        # A partial prefill serves one call: lowering batches those of a decode
+                        # shard into one task, placed with the shard.
+                        params = {"model": model, "tokens": tokens, **({"partial": True} if kind == "partial" else {})}
+                        prefills[key] = Node("prefill", params=params)
                         graph.add_node(prefills[key])
                         shared += kind == "shared"
                         partial += kind == "partial"
