@@ -511,7 +511,7 @@ class Consumer:
         nodes = [i.value for i in batch if isinstance(i.value, Node)]
         by_key = {}
         if nodes:
-            with dask.config.set({"daskllm.rewrite": self.spec.rewrite} if self.spec.rewrite else {}):
+            with config.overriding({"rewrite": self.spec.rewrite} if self.spec.rewrite else {}):
                 joint = Joint(nodes)
             self.children |= set(task_keys(joint.lowered.graph))
             for op, n in joint.lowered.report.get("requested", {}).items():

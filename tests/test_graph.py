@@ -255,3 +255,31 @@ def test_bad_input_fails_at_build_time_naming_the_problem():
             plan([node])
     finally:
         REGISTRY.pop("make-a-cycle")
+
+
+def test_overrides_are_per_thread_and_never_leak():
+    """Threads computing with different settings at once each plan with their own, and the
+    process keeps its configuration (dask.config.set in threads could leave one behind)."""
+    import threading
+
+    from daskllm import config
+    from daskllm.graph.lower import overrides
+
+    default = config.get("rewrite.passes")
+    seen, barrier = {}, threading.Barrier(8)
+
+    def plan(i):
+        settings = {"passes": [] if i % 2 else ["cse"], "granularity": "query" if i % 2 else "shard"}
+        with overrides(dict(settings)):
+            barrier.wait(timeout=30)
+            seen[i] = (config.get("rewrite.passes"), config.get("rewrite")["granularity"])
+            barrier.wait(timeout=30)
+
+    threads = [threading.Thread(target=plan, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert seen == {i: ([], "query") if i % 2 else (["cse"], "shard") for i in range(8)}
+    assert config.get("rewrite.passes") == default
+    assert config.get("rewrite")["granularity"] == "shard"

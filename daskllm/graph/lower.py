@@ -21,7 +21,6 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import dask
 import networkx as nx
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
@@ -42,8 +41,8 @@ OVERRIDE_KEYS = {"passes": "rewrite.passes", "granularity": "rewrite.granularity
 @contextlib.contextmanager
 def overrides(kwargs: dict):
     """Per-call overrides of the rewrite config, taken out of ``compute(**kwargs)``."""
-    settings = {f"daskllm.{OVERRIDE_KEYS[k]}": kwargs.pop(k) for k in list(kwargs) if k in OVERRIDE_KEYS}
-    with dask.config.set(settings):
+    settings = {OVERRIDE_KEYS[k]: kwargs.pop(k) for k in list(kwargs) if k in OVERRIDE_KEYS}
+    with config.overriding(settings):
         yield kwargs
 
 
@@ -88,7 +87,7 @@ _lowered_cache: dict = {}
 
 def lowered(outputs: list[Node]) -> Lowered:
     """Plan and lower ``outputs`` together (memoized per outputs and configuration)."""
-    cache_key = (tuple(o.key for o in outputs), str(dask.config.get("daskllm")), RESULTS.version)
+    cache_key = (tuple(o.key for o in outputs), config.snapshot(), RESULTS.version)
     with _cache_lock:
         if cache_key in _lowered_cache:
             return _lowered_cache[cache_key]
