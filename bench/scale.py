@@ -46,6 +46,13 @@ def judges_rounds(inputs, ops=None, *, model: str = "tiny", model2: str = "tiny"
     return decision
 
 
+def distinct_questions(n: int) -> list[str]:
+    """``n`` different questions (the stdlib set has about 2,000; repeats would be merged by CSE)."""
+    from pipelines.data import questions
+
+    return [f"{q} (case {i})" for i, q in enumerate(questions(n, "stdlib"))]
+
+
 def plan_once(build) -> dict:
     from daskllm.graph import lower
     from daskllm.graph.prompt import PromptTokenizer
@@ -65,17 +72,17 @@ def plan_once(build) -> dict:
 
 
 def bench_planning(sizes: list[int], operators: int) -> list[dict]:
-    from pipelines.data import Inputs, questions
+    from pipelines.data import Inputs
     from pipelines.halo import w5
 
     out = []
     for n in sizes:
-        inputs = Inputs(questions(n, "stdlib"))
+        inputs = Inputs(distinct_questions(n))
         r = plan_once(lambda: w5(inputs, model="tiny", model2="tiny", max_tokens=8))
         out.append({"workflow": "w5", "operators": 4, "queries": n, **r})
         log(f"plan w5 x {n}: build {r['build_s']:.2f} s, plan+lower {r['plan_and_lower_s']:.2f} s, tasks {r['tasks']}")
     n = sizes[0]
-    inputs = Inputs(questions(n, "stdlib"))
+    inputs = Inputs(distinct_questions(n))
     rounds = max(1, operators // 4)
     r = plan_once(lambda: judges_rounds(inputs, rounds=rounds))
     out.append({"workflow": f"w5 x {rounds} rounds", "operators": 4 * rounds, "queries": n, **r})
@@ -89,11 +96,11 @@ def bench_throughput(n: int, workers: int, max_tokens: int) -> dict:
     import daskllm
     from daskllm.placement import set_policy
     from harness import cold_start
-    from pipelines.data import Inputs, questions
+    from pipelines.data import Inputs
     from pipelines.halo import w2
     from pipelines.ops import NAIVE
 
-    inputs = Inputs(questions(n, "stdlib"))
+    inputs = Inputs(distinct_questions(n))
     result = {"queries": n, "workers": workers, "max_tokens": max_tokens, "workflow": "w2"}
     with daskllm.LocalLLMCluster(models=["tiny"], n_workers=workers, threads_per_worker=8,
                                  dashboard_address=":0") as cluster, Client(cluster) as client:
