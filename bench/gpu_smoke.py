@@ -32,7 +32,6 @@ import time
 from machine import log, machine_info
 
 import daskllm
-from daskllm.rewrite.cache import RESULTS
 
 WORDS = ("parse", "stream", "cache", "index", "thread", "socket", "decode", "table", "shard", "merge", "query",
          "batch", "vector", "token", "graph", "worker", "lock", "queue", "retry", "schema")
@@ -53,23 +52,11 @@ def workload(args) -> list:
     return nodes
 
 
-def engine_totals(client) -> dict:
-    from daskllm.worker import engine_stats
-
-    totals: dict = {}
-    for per_worker in client.run(engine_stats).values():
-        for stats in per_worker.values():
-            for key in ("prefill_tokens_computed", "prefill_tokens_cached", "decode_tokens", "steps",
-                        "batched_sequences"):
-                totals[key] = totals.get(key, 0) + stats[key]
-    return totals
-
-
 def run(client, nodes, settings: dict) -> dict:
-    from daskllm.worker import reset_prefix_caches
+    from daskllm.worker import cold_start
+    from harness import engine_totals
 
-    client.run(reset_prefix_caches)
-    RESULTS.clear()
+    cold_start(client)
     before = engine_totals(client)
     start = time.perf_counter()
     results = daskllm.compute(*nodes, **settings)
@@ -124,7 +111,9 @@ def main(argv=None) -> int:
                 runs[name].append(r)
                 log(f"{name:9s} {r['seconds']:7.2f} s  {r['decode_tokens_per_s']:8.0f} decode tok/s  "
                     f"hit rate {r['hit_rate']:.2f}  mean batch {r['mean_batch']:.1f}")
-        info = client.run(lambda: __import__("daskllm").worker.gpu_metrics())
+        from daskllm.worker import gpu_metrics
+
+        info = client.run(gpu_metrics)
     reference = runs["naive"][0]["outputs"]
     exact = all(r["outputs"] == reference for rs in runs.values() for r in rs)
     speedups = [n["seconds"] / o["seconds"] for n, o in zip(runs["naive"], runs["optimized"])]

@@ -108,33 +108,11 @@ def placement_for(system: str) -> str:
     return "cache_aware" if system == "daskllm" or (system in ABLATIONS and system != "-placement") else "off"
 
 
-def cold_start(client) -> None:
-    """Empty every cache a run could reuse: prefix caches, and result caches on the client and
-    on every worker (nested plans run there), once the previous run's tasks are gone."""
-    from daskllm.rewrite.cache import RESULTS
-    from daskllm.worker import reset_prefix_caches
-
-    def leftovers(dask_scheduler):
-        return sum(1 for ts in dask_scheduler.tasks.values() if not ts.who_wants)
-
-    deadline = time.monotonic() + 30
-    while client.run_on_scheduler(leftovers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    RESULTS.clear()
-    client.run(_clear_worker_results)
-    client.run(reset_prefix_caches)
-
-
-def _clear_worker_results() -> None:
-    from daskllm.rewrite.cache import RESULTS
-
-    RESULTS.clear()
-
-
 def engine_totals(client) -> dict:
     from daskllm.worker import engine_stats
 
-    totals = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "steps": 0, "batched_sequences": 0}
+    totals = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "steps": 0,
+              "batched_sequences": 0}
     for per_worker in client.run(engine_stats).values():
         for stats in per_worker.values():
             for key in totals:
@@ -145,6 +123,7 @@ def engine_totals(client) -> dict:
 def measure(client, system: str, fn, inputs, config: dict) -> dict:
     import daskllm
     from daskllm.placement import set_policy
+    from daskllm.worker import cold_start
     from distributed import get_task_stream
 
     cold_start(client)
@@ -178,17 +157,15 @@ def calibrate(model: str, prefill_prompts: int = 16, prompt_tokens: int = 256, d
 
     engine = get_engine(model)
     rng = random.Random(os.getpid())
-    vocab = 16000
 
-    def fresh(n):
-        return [[0] + [rng.randrange(10, vocab) for _ in range(n - 1)]]
+    def fresh(n: int) -> list[int]:  # random ids: nothing in the prefix cache matches
+        return [0] + [rng.randrange(10, 16000) for _ in range(n - 1)]
 
     start = time.perf_counter()
-    engine.generate([fresh(prompt_tokens)[0] for _ in range(prefill_prompts)], SamplingParams(max_tokens=1))
+    engine.generate([fresh(prompt_tokens) for _ in range(prefill_prompts)], SamplingParams(max_tokens=1))
     prefill = (time.perf_counter() - start) / (prefill_prompts * prompt_tokens)
     start = time.perf_counter()
-    engine.generate([fresh(8)[0] for _ in range(decode_seqs)],
-                    SamplingParams(max_tokens=decode_tokens, ignore_eos=True))
+    engine.generate([fresh(8) for _ in range(decode_seqs)], SamplingParams(max_tokens=decode_tokens, ignore_eos=True))
     decode = max(0.0, time.perf_counter() - start - decode_seqs * 8 * prefill) / (decode_seqs * decode_tokens)
     return {"prefill_s_per_token": prefill, "decode_s_per_token": decode}
 

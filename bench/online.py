@@ -44,7 +44,7 @@ def run_stream(client, fn, inputs, config: dict, system: str, times: list[float]
     from daskllm.graph.lower import overrides
     from daskllm.graph.nodes import Joint
     from daskllm.placement import set_policy
-    from harness import cold_start
+    from daskllm.worker import cold_start
     from pipelines.ops import NAIVE, plain
 
     cold_start(client)

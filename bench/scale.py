@@ -95,7 +95,7 @@ def bench_throughput(n: int, workers: int, max_tokens: int) -> dict:
 
     import daskllm
     from daskllm.placement import set_policy
-    from harness import cold_start
+    from daskllm.worker import cold_start
     from pipelines.data import Inputs
     from pipelines.halo import w2
     from pipelines.ops import NAIVE

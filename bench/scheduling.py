@@ -84,6 +84,11 @@ def shared(a: Call | None, b: Call) -> int:
     return n * BLOCK
 
 
+def usage(call: Call, prev: Call | None, capacity: int) -> float:
+    """Token steps ``call`` takes right after ``prev``: (L x unshared prompt + L(L+1)/2) / M."""
+    return (call.out * (call.prompt - shared(prev, call)) + call.out * (call.out + 1) / 2) / capacity
+
+
 def token_steps(calls: list[Call], order: list[int], capacity: int) -> float:
     """Helium's cost T of running ``calls`` in ``order`` on one worker."""
     end: dict[int, float] = {}
@@ -91,8 +96,7 @@ def token_steps(calls: list[Call], order: list[int], capacity: int) -> float:
     for i in order:
         c = calls[i]
         start = max([t] + [end[p] + calls[p].out for p in c.preds])
-        prefill = c.prompt - shared(prev, c)
-        end[i] = start + (c.out * prefill + c.out * (c.out + 1) / 2) / capacity
+        end[i] = start + usage(c, prev, capacity)
         t, prev = end[i], c
     return t
 
@@ -132,10 +136,7 @@ def list_schedule(calls: list[Call], rank, capacity: int, barrier=None) -> list[
         soonest = min(ready_at.values())
         ready = [i for i in waiting if ready_at[i] <= max(t, soonest)]
         i = min(ready, key=lambda j: rank(j, prev))
-        start = ready_at[i]
-        c = calls[i]
-        done[i] = start + (c.out * (c.prompt - shared(calls[prev] if prev is not None else None, c))
-                           + c.out * (c.out + 1) / 2) / capacity
+        done[i] = ready_at[i] + usage(calls[i], calls[prev] if prev is not None else None, capacity)
         t, prev = done[i], i
         order.append(i)
     return order
@@ -264,7 +265,7 @@ def collect_calls(client, fn, inputs, config: dict) -> list[Call]:
     records = _records(set(decodes))
     index = {k: i for i, k in enumerate(decodes)}
 
-    def decode_preds(key, seen=None) -> set:
+    def decode_preds(key) -> set:
         out, stack, seen = set(), list(graph[key].dependencies), set()
         while stack:
             d = stack.pop()

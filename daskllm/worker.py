@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
@@ -254,6 +255,43 @@ def reset_prefix_caches(dask_worker=None) -> int:
     return sum(bool(e.reset_prefix_cache()) for e in plugin.engines.get("llm", {}).values()) if plugin else 0
 
 
+def cold_start(client, timeout: float = 30) -> None:
+    """Empty every cache a computation could reuse, for measurements from cold: the result
+    caches of the client and of every worker (nested plans run there) and the workers' prefix
+    caches, once the previous computation's tasks are forgotten (results still held by the
+    scheduler would be reused by an identical graph), until the scheduler's view of the
+    caches is empty too."""
+    from daskllm.rewrite.cache import RESULTS
+
+    def leftovers(dask_scheduler):
+        return sum(1 for ts in dask_scheduler.tasks.values() if not ts.who_wants)
+
+    deadline = time.monotonic() + timeout
+    while client.run_on_scheduler(leftovers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    RESULTS.clear()
+    client.run(_clear_results)
+
+    def reported(dask_scheduler):
+        return sum(len(h) for ws in dask_scheduler.workers.values()
+                   for h in ((ws.metrics or {}).get("daskllm") or {}).get("cache", {}).values())
+
+    deadline = time.monotonic() + timeout
+    while True:
+        client.run(reset_prefix_caches)  # again: a request still running (e.g. cancelled) keeps its blocks
+        if client.run_on_scheduler(reported) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"prefix caches still reported non-empty after {timeout} s")
+        time.sleep(0.5)
+
+
+def _clear_results() -> None:
+    from daskllm.rewrite.cache import RESULTS
+
+    RESULTS.clear()
+
+
 def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
     """Which models of one kind each worker of ``client``'s cluster holds right now."""
 
@@ -264,9 +302,13 @@ def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
     return client.run(models)
 
 
-def workers_holding(model: str, kind: str = "llm") -> int:
+def workers_holding(model: str, kind: str = "llm", memo: dict | None = None) -> int:
     """How many workers of the current cluster hold ``model`` (1 without a cluster), from the
-    scheduler's view of their heartbeats."""
+    scheduler's view of their heartbeats. With ``memo`` (e.g. one per plan), asked once."""
+    if memo is not None:
+        if (model, kind) not in memo:
+            memo[model, kind] = workers_holding(model, kind)
+        return memo[model, kind]
     try:
         from distributed import default_client
 

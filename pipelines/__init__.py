@@ -27,11 +27,6 @@ def registry() -> dict:
     return found
 
 
-def paper(pipeline: str) -> str:
-    fn = registry()[pipeline]
-    return fn.__module__.rsplit(".", 1)[-1]
-
-
 def main(pipelines: dict, argv=None) -> None:
     """Run one of ``pipelines`` on a local cluster and print its answers."""
     import argparse

@@ -165,20 +165,20 @@ class Eager:
     def _run(self, node):
         return daskllm.compute(node, **self.settings)[0]
 
+    def _lists(self, node):
+        """A node whose value per call is a list, as Items (per call for a batch)."""
+        value = self._run(node)
+        return [Items(v) for v in value] if node.batched else Items(value)
+
     def generate(self, template: str, *, model: str | None = None, max_tokens: int = 16, split=None, **slots):
         node = Lazy(self.model).generate(template, model=model, max_tokens=max_tokens, split=split, **slots)
-        value = self._run(node)
-        if split is None:
-            return value
-        return [Items(v) for v in value] if node.batched else Items(value)
+        return self._run(node) if split is None else self._lists(node)
 
     def choose(self, template: str, options: tuple[str, ...], *, model: str | None = None, **slots):
         return self._run(Lazy(self.model).choose(template, options, model=model, **slots))
 
     def search(self, index, queries, k: int = 3):
-        node = daskllm.search(index, queries, k=k)
-        value = self._run(node)
-        return [Items(v) for v in value] if node.batched else Items(value)
+        return self._lists(daskllm.search(index, queries, k=k))
 
     def rerank(self, query, docs, k: int | None = None):
         return Items(self._run(daskllm.rerank(query, list(docs), k=k)))

@@ -7,7 +7,6 @@ report every system, exact outputs and sane ratios.
 
 from __future__ import annotations
 
-import itertools
 import json
 import pathlib
 import random

@@ -24,6 +24,7 @@ runner for :class:`~daskllm.engines.embedder.EmbedEngine` and the rerankers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -299,8 +300,7 @@ class VLLMEngine(BatchingEngine):
 
     def stats(self) -> EngineStats:
         with self._lock:
-            s = EngineStats(**{k: getattr(self._stats, k) for k in EngineStats.__dataclass_fields__})
-        return s
+            return dataclasses.replace(self._stats)
 
     def cache_state(self) -> CacheState:
         with self._lock:

@@ -301,7 +301,8 @@ class _Lowering:
     def _replicas(self, model: str) -> int:
         if model not in self.replicas:
             setting = config.get("rewrite.prefill-replicas")
-            self.replicas[model] = max(1, int(setting)) if setting != "auto" else workers_holding(model)
+            self.replicas[model] = (max(1, int(setting)) if setting != "auto"
+                                    else workers_holding(model, memo=self.g.graph.setdefault("holding", {})))
         return self.replicas[model]
 
     def _lower_generate(self, node: Node) -> None:

@@ -26,7 +26,7 @@ class StageSplit:
         from daskllm.worker import workers_holding
 
         sizes = config.get("rewrite.stage-size")
-        holding: dict[tuple[str, str], int] = {}
+        holding = graph.graph.setdefault("holding", {})  # lowering asks the same (prefill replicas)
         split = {}
         for node in graph:
             size = sizes.get(node.op)
@@ -34,10 +34,8 @@ class StageSplit:
                 continue
             size = int(size)
             if "model" in node.params and node.op in KIND:
-                where = (node.params["model"], KIND[node.op])
-                if where not in holding:
-                    holding[where] = workers_holding(*where)
-                size = min(size, -(-node.width // holding[where]))
+                workers = workers_holding(node.params["model"], KIND[node.op], memo=holding)
+                size = min(size, -(-node.width // workers))
             if node.width > size:
                 graph.nodes[node]["shard_size"] = size
                 split[node.label] = -(-node.width // size)
