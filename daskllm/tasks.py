@@ -4,9 +4,10 @@ Each runs on a worker against its resident engines (or, outside a cluster, again
 engines loaded in this process), takes a shard of items, and records what it really
 executed under its own task key, for :func:`daskllm.usage`.
 
-An item is a list of parts. A static part is a tuple of token ids (or a literal value);
-a :class:`Ref` points at an item of an upstream task's output, which arrives as one of the
-task's dependencies.
+An item is a list of parts. A static part is a tuple of token ids, text, or a literal
+value; a :class:`Ref` points at an item of an upstream task's output, which arrives as one
+of the task's dependencies. An LLM call's item is ``(special, parts)``: its parts are
+joined and tokenized whole, with the tokenizer's special tokens when ``special``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from daskllm import config
 from daskllm.engines import PrefillHandle, SamplingParams
-from daskllm.graph.prompt import render_value
+from daskllm.graph.prompt import encode_parts, render_value
 from daskllm.worker import get_engine, host
 
 
@@ -35,14 +36,14 @@ def _value(part, deps):
     return part
 
 
-def _tokens(parts, deps, engine) -> list[int]:
-    ids: list[int] = []
-    for part in parts:
-        if isinstance(part, Ref):
-            ids += engine.tokenize(render_value(_value(part, deps)), add_special_tokens=False)
-        else:
-            ids += part if isinstance(part, tuple) else engine.tokenize(render_value(part), add_special_tokens=False)
-    return ids
+def _tokens(call, deps, engine) -> list[int]:
+    """A prompt's ids: its upstream values rendered into its text, tokenized whole (as the
+    client tokenized static prompts); ``call`` is ``(special, parts)``."""
+    special, parts = call
+    if len(parts) == 1 and isinstance(parts[0], tuple):  # tokenized on the client
+        return list(parts[0])
+    text = [render_value(_value(p, deps)) if isinstance(p, Ref) else p for p in parts]
+    return list(encode_parts(text, special, lambda t, s: engine.tokenize(t, add_special_tokens=s)))
 
 
 def _record(task_key: str, op: str, **counters) -> None:
@@ -72,7 +73,7 @@ def prompt_blocks(token_ids) -> tuple[list[int], int, int]:
 def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list, *deps) -> list[str]:
     """Generate for a shard of prompts together: they join the engine's batch in one step."""
     engine = get_engine(model)
-    prompts = [_tokens(parts, deps, engine) for parts in items]
+    prompts = [_tokens(call, deps, engine) for call in items]
     completions = engine.generate(prompts, sampling)
     _record_decode(task_key, model, completions)
     return [c.text for c in completions]
@@ -85,7 +86,7 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split,
     from daskllm import streaming
 
     engine = get_engine(model)
-    prompts = [_tokens(parts, deps, engine) for parts in items]
+    prompts = [_tokens(call, deps, engine) for call in items]
     writer = streaming.StreamWriter(task_key, channels) if any(channels) and streaming.in_cluster() else None
     try:
         completions = streaming.stream_decode(engine, prompts, sampling, split, writer)
@@ -123,10 +124,10 @@ def first(value, *_):
     return value
 
 
-def run_prefill(task_key: str, model: str, parts: list, *deps) -> PrefillHandle:
+def run_prefill(task_key: str, model: str, call, *deps) -> PrefillHandle:
     """Put a prefix in this worker's cache; returns a small handle, never KV tensors."""
     engine = get_engine(model)
-    handle = engine.prefill(_tokens(parts, deps, engine))
+    handle = engine.prefill(_tokens(call, deps, engine))
     _record(task_key, "prefill", model=model, calls=1, prompt_tokens=handle.num_tokens, cached_tokens=handle.num_cached_tokens,
             computed_tokens=handle.num_tokens - handle.num_cached_tokens)
     return handle

@@ -267,6 +267,9 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
 
 def test_list_recipes(two_fresh_builds):
     with dask.config.set({"daskllm.models.cache-dir": str(two_fresh_builds[0].parent)}):
-        listing = {name: (params, cached) for name, params, cached in models.list_recipes()}
-    assert listing["tiny"] == (RECIPES["tiny"].approx_params(), True)
-    assert listing["small"][1] is False
+        listing = {row.name: row for row in models.list_recipes()}
+    tiny = listing["tiny"]
+    assert (tiny.params, tiny.path) == (RECIPES["tiny"].approx_params(), two_fresh_builds[0])
+    assert tiny.size_bytes == sum(f.stat().st_size for f in two_fresh_builds[0].iterdir())
+    assert listing["small"].path is None and listing["small"].size_bytes is None
+    assert listing["smollm2"].license == "Apache-2.0" and "SmolLM2-135M-Instruct" in listing["smollm2"].source

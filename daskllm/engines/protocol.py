@@ -167,7 +167,8 @@ class Engine(Protocol):
     def prefill(self, prompt: Prompt) -> PrefillHandle:
         """Warm the prefix cache with ``prompt`` and return a small handle."""
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids, as the model's tokenizer gives them (``tokenizer(text).input_ids``)."""
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 

@@ -1,8 +1,9 @@
 """Items: what each call of a node computes, resolved as far as is known before running.
 
-A batched node of width n makes n calls. For an LLM call the item is its prompt as parts:
-runs of token ids for everything known at build time (static text, constant values) and
-:class:`Dyn` references to upstream outputs not yet computed. Every item has a structural
+A batched node of width n makes n calls. For an LLM call the item is a :class:`PromptCall`:
+its token ids when everything is known at build time (static text, constant values), else
+its text parts with :class:`Dyn` references to upstream outputs not yet computed, joined and
+tokenized whole when they are. Every item has a structural
 hash: identical calls anywhere in the graph have the same hash (common subexpression
 elimination works item by item), and a deterministic call's result can be remembered
 under it (the result cache).
@@ -24,6 +25,26 @@ class Dyn:
 
     node: Node
     index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCall:
+    """One LLM call's prompt.
+
+    ``parts``: ``(ids,)`` when the whole prompt is known; else text (str), :class:`Dyn` and
+    token-id tuples, joined and tokenized whole once the Dyn values are known (on the worker).
+    ``special``: the tokenizer adds its special tokens (a plain prompt; a rendered chat
+    template carries its own). ``known``: the ids certain to begin the prompt (all of them
+    when it is static): what prefix sharing and placement see before it runs.
+    """
+
+    parts: tuple
+    special: bool
+    known: tuple[int, ...]
+
+    @property
+    def static(self) -> bool:
+        return not any(isinstance(p, Dyn) for p in self.parts)
 
 
 def item_of(node: Node, i: int) -> int:
@@ -70,34 +91,37 @@ def hashes(graph: nx.DiGraph, node: Node) -> list[str]:
 
 
 def _flat(item) -> list:
+    if isinstance(item, PromptCall):
+        return [*item.parts, item.special]
     return item if isinstance(item, list) else list(item) if isinstance(item, tuple) else [item]
 
 
-def prompt_parts(graph: nx.DiGraph, node: Node, i: int) -> list:
-    """The prompt of call i: runs of token ids and Dyn parts."""
+def prompt_call(graph: nx.DiGraph, node: Node, i: int) -> PromptCall:
+    """The prompt of call i, tokenized whole where it is known."""
     tok = tokenizer_for(node.params["model"])
     segments = node.template
     if node.chat is not None:
         segments = graph.nodes[node].get("rendered")
         if segments is None:
             segments = graph.nodes[node]["rendered"] = render_chat(_chat_prompt(node), tok.tokenizer)
+    special = node.chat is None
     parts: list = []
-    static: list[int] = list(tok.prefix_ids)
     for seg in segments:
         if isinstance(seg, Tokens):
-            static += seg.ids
+            parts.append(seg.ids)
             continue
         value = seg.text if isinstance(seg, Text) else _input(graph, node, seg.name, i)
-        if isinstance(value, Dyn):
-            if static:
-                parts.append(tuple(static))
-                static = []
-            parts.append(value)
-        else:
-            static += tok.encode(render_value(value))
-    if static:
-        parts.append(tuple(static))
-    return parts
+        if not isinstance(value, Dyn):
+            value = render_value(value)
+            if parts and isinstance(parts[-1], str):
+                parts[-1] += value
+                continue
+        parts.append(value)
+    dynamic = next((j for j, p in enumerate(parts) if isinstance(p, Dyn)), None)
+    if dynamic is None:
+        ids = tok.encode_parts(parts, special)
+        return PromptCall((ids,), special, ids)
+    return PromptCall(tuple(parts), special, tok.stable_prefix(tuple(parts[:dynamic]), special))
 
 
 def _chat_prompt(node: Node):
@@ -109,7 +133,7 @@ def _chat_prompt(node: Node):
 def _resolve(graph: nx.DiGraph, node: Node) -> list:
     n = node.n
     if node.op in ("generate", "prefill"):
-        return [prompt_parts(graph, node, i) for i in range(n)]
+        return [prompt_call(graph, node, i) for i in range(n)]
     if node.op == "embed":
         return [[_input(graph, node, "text", i)] for i in range(n)]
     if node.op == "search":
@@ -139,13 +163,14 @@ def _arg(producer: Node, i: int):
     return Dyn(producer, item_of(producer, i))
 
 
-def static_prefix(item: list) -> tuple[int, ...]:
+def static_prefix(item: PromptCall) -> tuple[int, ...]:
     """The token ids of a prompt known before any upstream output is."""
-    return item[0] if item and isinstance(item[0], tuple) else ()
+    return item.known
 
 
-def is_static(item: list) -> bool:
-    return all(not isinstance(p, Dyn) for p in item)
+def is_static(item: PromptCall) -> bool:
+    return item.static
 
 
-__all__ = ["Dyn", "Slot", "hashes", "is_static", "item_of", "items", "pmap_args", "prompt_parts", "static_prefix"]
+__all__ = ["Dyn", "PromptCall", "Slot", "hashes", "is_static", "item_of", "items", "pmap_args", "prompt_call",
+           "static_prefix"]

@@ -269,11 +269,11 @@ class _Lowering:
             return
         model = node.params["model"]
         self.loc[node] = []
-        for i, parts in enumerate(items(self.g, node)):
+        for i, call in enumerate(items(self.g, node)):
             key = f"prefill-{hashes(self.g, node)[i]}"
-            resolved, deps = self._deps_for([parts])
-            self._add("prefill", key, Task(key, tasks.run_prefill, key, model, resolved[0], *deps),
-                      self._llm_annotation("prefill", model, [static_prefix(parts)], 0, 1))
+            resolved, deps = self._deps_for([call.parts])
+            self._add("prefill", key, Task(key, tasks.run_prefill, key, model, (call.special, resolved[0]), *deps),
+                      self._llm_annotation("prefill", model, [static_prefix(call)], 0, 1))
             self.loc[node].append((key, None))
 
     def _prefill_replica(self, pre: Node, shard_number: int) -> str:
@@ -282,7 +282,7 @@ class _Lowering:
         replica = shard_number % self._replicas(model)
         key = f"prefill-{stable_hash(model, tokens)}-r{replica}"
         if key not in self.layers["prefill"]:
-            self._add("prefill", key, Task(key, tasks.run_prefill, key, model, [tokens]),
+            self._add("prefill", key, Task(key, tasks.run_prefill, key, model, (True, [tokens])),
                       self._llm_annotation("prefill", model, [tokens], 0, 1))
             if replica:  # a copy on another worker: prefill work above the single-engine bound
                 self.replica_tokens += len(tokens)
@@ -310,11 +310,12 @@ class _Lowering:
         todo, item_hashes = self._plan_items(node)
         all_items = items(self.g, node)
         consumers = self._stream_consumers(node, item_hashes) if split is not None else {}
-        self.static_prompts.update((model, item[0]) for item in all_items if len(item) == 1 and isinstance(item[0], tuple))
+        self.static_prompts.update((model, call.known) for call in all_items if call.static)
         prefills = self.g.nodes[node].get("prefill") or [None] * node.n
         for number, shard in enumerate(self._shards(node, todo)):
             key = f"decode-{self._shard_token(node, item_hashes, shard)}"
-            resolved, deps = self._deps_for([all_items[i] for i in shard])
+            resolved, deps = self._deps_for([all_items[i].parts for i in shard])
+            resolved = [(all_items[i].special, parts) for i, parts in zip(shard, resolved)]
             partial = [prefills[i] for i in shard if prefills[i] is not None and prefills[i].params.get("partial")]
             pre_keys = {self._prefill_replica(prefills[i], number) if self.loc[prefills[i]] == [None]
                         else self.loc[prefills[i]][0][0] for i in shard

@@ -4,10 +4,13 @@
 from the slot, so the rewrite passes can see which prefix is known before its inputs are
 (Helium's templated prompts), and prefill it early (Teola's partial prefill).
 
-Token ids of a prompt are the concatenation of its parts tokenized separately (after the
-tokenizer's leading special tokens): a static segment always has the same ids whatever
-follows it, which is what makes shared prefixes shareable. Optimized and naive runs use
-this same rule, so they see the same tokens.
+A prompt's token ids are what the model's tokenizer gives for the whole rendered string
+(``tokenizer(text).input_ids``; for a chat, ``apply_chat_template(..., tokenize=True)``), so
+daskllm, transformers and vLLM see the same ids for the same text. Parts given as token ids
+(:func:`tokens`) are kept as they are, and the text between them is tokenized whole. Shared
+prefixes are found on those whole-string ids (the longest common token prefix); a prompt
+still waiting for an upstream output knows only the ids of its leading text that no
+continuation can change (:meth:`PromptTokenizer.stable_prefix`).
 """
 
 from __future__ import annotations
@@ -122,8 +125,8 @@ def chat(messages: list[dict], **values) -> Prompt:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
         content = message["content"]
-        if isinstance(content, str):
-            content = prompt(content)
+        if isinstance(content, str):  # a template: its fields are filled from ``values``
+            content = Prompt(tuple(_merge_text(_parse_template(content))), {})
         elif not isinstance(content, Prompt):
             content = prompt(content)
         clash = set(content.values) & set(values)
@@ -188,8 +191,37 @@ def render_chat(p: Prompt, tokenizer) -> tuple[Segment, ...]:
     return tuple(_merge_text(segments))
 
 
+# What may follow a prompt's known leading text: a letter, a space, a digit, punctuation,
+# a line break. The ids that every one of these leaves in place stay whatever really follows
+# (byte-level BPE merges only within a pre-token, and whitespace splits on what comes next).
+_CONTINUATIONS = ("a", " a", "A", " A", "1", " 1", ".", ",", "\n", " ", "\t", "'", '"', "é")
+
+
+def encode_parts(parts, special: bool, tokenize) -> tuple[int, ...]:
+    """A prompt's ids from its parts: text (str) runs tokenized whole, token-id tuples as they are.
+
+    ``tokenize(text, special)`` is the model's tokenizer; ``special`` adds its special tokens
+    (e.g. BOS) as ``tokenizer(text)`` does, which a chat template's rendered text already has.
+    """
+    if all(isinstance(p, str) for p in parts):
+        return tuple(tokenize("".join(parts), special))
+    ids = list(tokenize("", True)) if special else []
+    run: list[str] = []
+    for part in parts:
+        if isinstance(part, str):
+            run.append(part)
+            continue
+        if run:
+            ids += tokenize("".join(run), False)
+            run = []
+        ids += part
+    if run:
+        ids += tokenize("".join(run), False)
+    return tuple(ids)
+
+
 class PromptTokenizer:
-    """Segment-wise tokenization with a model's tokenizer (client side and worker side alike)."""
+    """Whole-string tokenization with a model's tokenizer (client side and worker side alike)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -203,8 +235,22 @@ class PromptTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=special)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one tokenizer per model, kept for the process
-    def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._encode(text, False))
+    def encode(self, text: str, special: bool = False) -> tuple[int, ...]:
+        """``text``'s ids; with ``special``, exactly ``tokenizer(text).input_ids``."""
+        return tuple(self._encode(text, special))
+
+    def encode_parts(self, parts, special: bool) -> tuple[int, ...]:
+        return encode_parts(parts, special, self.encode)
+
+    @functools.lru_cache(maxsize=16384)  # noqa: B019 - see encode
+    def stable_prefix(self, parts: tuple, special: bool) -> tuple[int, ...]:
+        """The ids that begin every prompt starting with ``parts``, whatever text follows."""
+        known = self.encode_parts(parts, special)
+        for continuation in _CONTINUATIONS:
+            longer = self.encode_parts((*parts, continuation), special)
+            same = next((i for i, (a, b) in enumerate(zip(known, longer)) if a != b), min(len(known), len(longer)))
+            known = known[:same]
+        return known
 
 
 def tokenizer_for(model: str) -> PromptTokenizer:
