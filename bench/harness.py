@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pipelines", default="all", help=f"comma-separated, or all: {', '.join(registry())}")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {', '.join(SYSTEMS)}")
     parser.add_argument("--queries", type=int, default=16)
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--model", default=None, help="default: daskllm.model (smollm2)")
     parser.add_argument("--model2", default="tiny", help="the second model of two-model pipelines (w3, w5)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=8, help="Dask threads per worker")
@@ -68,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.queries, args.max_tokens, args.repeats = "tiny", 4, 4, 1
+    if args.model is None:
+        import daskllm
+
+        args.model = daskllm.config.get("model")
     names = list(registry()) if args.pipelines == "all" else args.pipelines.split(",")
     unknown = [n for n in names if n not in registry()]
     systems = args.systems.split(",")
@@ -87,14 +91,15 @@ def run_system(system: str, fn, inputs, config: dict):
     """The pipeline's answers, computed the way ``system`` orchestrates."""
     import daskllm
     from daskllm import config as daskllm_config
-    from pipelines.ops import NAIVE, Eager, plain
+    from pipelines.ops import NAIVE, Eager, Lazy, plain
 
+    # Every call generates its max_tokens: the same work whatever a random model's end-of-text does.
     if system == "sequential":
-        one_by_one = Eager(config["model"], parallel=False)
+        one_by_one = Eager(config["model"], parallel=False, ignore_eos=True)
         return [plain(fn(inputs.subset(i, i + 1), one_by_one, **config))[0] for i in range(len(inputs))]
     if system == "opwise":
-        return plain(fn(inputs, Eager(config["model"]), **config))
-    nodes = fn(inputs, **config)
+        return plain(fn(inputs, Eager(config["model"], ignore_eos=True), **config))
+    nodes = fn(inputs, Lazy(config["model"], ignore_eos=True), **config)
     if system == "dask":
         return plain(daskllm.compute(nodes, **NAIVE)[0])
     off = ABLATIONS.get(system)

@@ -14,7 +14,7 @@ def main():
 
 
 @main.command()
-@click.option("--model", default="small", show_default=True, help="Recipe name or local HF model directory.")
+@click.option("--model", default=None, help="Recipe name or local HF model directory (default: daskllm.model, smollm2).")
 @click.option("--workers", "n_workers", default=1, show_default=True, help="Worker processes (one per GPU on GPUs).")
 @click.option("--requests", "n_requests", default=32, show_default=True, help="Questions to answer.")
 @click.option("--max-tokens", default=32, show_default=True, help="Tokens generated per question.")

@@ -46,8 +46,9 @@ def discover_gpus() -> list[str]:
 class LocalLLMCluster(LocalCluster):
     """A local Dask cluster with resident engines on every worker.
 
-    ``models`` (LLMs), ``embedders`` and ``rerankers`` are recipe or packaged model names
-    (``"tiny"``, ``"small"``, ``"all-MiniLM-L6-v2"``), local Hugging Face model directories,
+    ``models`` (LLMs; default: ``daskllm.model``, smollm2), ``embedders`` and ``rerankers`` are
+    recipe or packaged model names (``"smollm2"``, ``"tiny"``, ``"all-MiniLM-L6-v2"``), local
+    Hugging Face model directories,
     dicts or :class:`~daskllm.engines.EngineSpec` objects. By default every worker also holds
     the MiniLM embedder and a bi-encoder reranker sharing its weights. The scheduler runs the
     :class:`~daskllm.placement.PlacementPlugin` with ``placement`` (a policy name; default
@@ -61,7 +62,7 @@ dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model 
     the specs' options, else 1) through ``CUDA_VISIBLE_DEVICES``.
     """
 
-    def __init__(self, models: Iterable[str | Mapping | EngineSpec] = ("tiny",), *,
+    def __init__(self, models: Iterable[str | Mapping | EngineSpec] | None = None, *,
                  embedders: Iterable[str | Mapping | EngineSpec] = (DEFAULT_EMBEDDING_MODEL,),
                  rerankers: Iterable[str | Mapping | EngineSpec] = (DEFAULT_EMBEDDING_MODEL,),
                  n_workers: int | None = None, threads_per_worker: int = 4,
@@ -74,6 +75,7 @@ dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model 
         from daskllm.streaming import StreamJanitor
 
         placement = placement or config.get("placement.policy")
+        models = [config.get("model")] if models is None else models
         specs = ([EngineSpec.parse(m, "llm") for m in models] + [EngineSpec.parse(m, "embed") for m in embedders]
                  + [EngineSpec.parse(m, "rerank") for m in rerankers])
         # backend= is the default for specs that name none (else daskllm.engine.backend on the worker)

@@ -141,9 +141,11 @@ def rag_job(client, model: str, questions: int = 6, passages: int = 1000, max_to
             "recall_at_3": right / len(qs)}
 
 
-def run(model: str = "small", n_workers: int = 1, n_requests: int = 32, max_tokens: int = 32,
+def run(model: str | None = None, n_workers: int = 1, n_requests: int = 32, max_tokens: int = 32,
         dashboard_address: str = ":8787", keep_alive: float = 0.0, echo=print) -> dict:
     import daskllm
+
+    model = model or daskllm.config.get("model")
 
     t0 = time.perf_counter()
     echo(f"Starting a local cluster: {n_workers} worker(s), resident engine for model {model!r} ...")

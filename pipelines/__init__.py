@@ -5,7 +5,7 @@ batch of queries (:class:`pipelines.data.Inputs`) into daskllm nodes, and a ``__
 that runs them on a local cluster. Written against :mod:`pipelines.ops`, the same code also
 runs eagerly, which is how the benchmark's baselines run it (see ``bench/harness.py``).
 
-    python -m pipelines.halo --pipeline w2 --queries 8 --model small
+    python -m pipelines.halo --pipeline w2 --queries 8            # smollm2, the default model
 """
 
 from __future__ import annotations
@@ -40,15 +40,17 @@ def main(pipelines: dict, argv=None) -> None:
     parser = argparse.ArgumentParser(description="Run a reference pipeline on a local cluster.")
     parser.add_argument("--pipeline", choices=sorted(pipelines), default=next(iter(pipelines)))
     parser.add_argument("--queries", type=int, default=8)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--model2", default="small", help="the second model of two-model pipelines (w3, w5)")
+    parser.add_argument("--model", default=daskllm.config.get("model"),
+                        help="recipe name or local HF model directory (default: daskllm.model, smollm2)")
+    parser.add_argument("--model2", default=None,
+                        help="the second model of two-model pipelines (w3, w5); default: --model")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--source", default="auto", help="questions: auto, stdlib, hotpotqa, parallelqa, movies")
     args = parser.parse_args(argv)
 
-    two = args.pipeline in TWO_MODELS
-    models = [args.model] + ([args.model2] if two else [])
+    two = args.pipeline in TWO_MODELS and args.model2 is not None
+    models = list(dict.fromkeys([args.model] + ([args.model2] if two else [])))
     config = {"model": args.model, "max_tokens": args.max_tokens, **({"model2": args.model2} if two else {})}
     with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, dashboard_address=":0") as cluster, \
             Client(cluster) as client:

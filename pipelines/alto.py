@@ -25,7 +25,7 @@ VERIFY = "Claim: {c}\nEvidence:\n{e}\nIs the claim supported by the evidence? Ve
 AGGREGATE = "Question: {q}\nVerdicts on the answer's claims:\n{v}\nIs the answer factual overall?"
 
 
-def factool(inputs, ops=None, *, model: str = "tiny", claims: int = 3, queries: int = 2, words: int = 6,
+def factool(inputs, ops=None, *, model: str | None = None, claims: int = 3, queries: int = 2, words: int = 6,
             k: int = 3, evidence: int = 2, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions

@@ -33,7 +33,7 @@ FOLLOW_UPS = ("Explain that in more detail.", "Give an example.", "Summarize in 
               "What is a common mistake here?", "How would you test it?")
 
 
-def w1(inputs, ops=None, *, model: str = "tiny", k: int = 3, max_tokens: int = 16):
+def w1(inputs, ops=None, *, model: str | None = None, k: int = 3, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     passages = ops.search(inputs.index, q, k=k)
@@ -41,7 +41,7 @@ def w1(inputs, ops=None, *, model: str = "tiny", k: int = 3, max_tokens: int = 1
     return ops.generate(CONCLUDE, s=summary, q=q, max_tokens=max_tokens)
 
 
-def w2(inputs, ops=None, *, model: str = "tiny", model2: str | None = None, max_tokens: int = 16):
+def w2(inputs, ops=None, *, model: str | None = None, model2: str | None = None, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     answer = ops.generate(ANSWER, q=q, max_tokens=max_tokens)
@@ -49,11 +49,11 @@ def w2(inputs, ops=None, *, model: str = "tiny", model2: str | None = None, max_
     return ops.generate(REVISE, q=q, a=answer, c=critique, max_tokens=max_tokens)
 
 
-def w3(inputs, ops=None, *, model: str = "tiny", model2: str = "small", max_tokens: int = 16):
+def w3(inputs, ops=None, *, model: str | None = None, model2: str | None = None, max_tokens: int = 16):
     return w2(inputs, ops, model=model, model2=model2, max_tokens=max_tokens)
 
 
-def w4(inputs, ops=None, *, model: str = "tiny", model2: str | None = None, max_tokens: int = 16):
+def w4(inputs, ops=None, *, model: str | None = None, model2: str | None = None, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     judgments = {f"j{i}": ops.generate(JUDGE, view=view, q=q, model=model2, max_tokens=max_tokens)
@@ -61,11 +61,11 @@ def w4(inputs, ops=None, *, model: str = "tiny", model2: str | None = None, max_
     return ops.generate(AGGREGATE, q=q, max_tokens=max_tokens, **judgments)
 
 
-def w5(inputs, ops=None, *, model: str = "tiny", model2: str = "small", max_tokens: int = 16):
+def w5(inputs, ops=None, *, model: str | None = None, model2: str | None = None, max_tokens: int = 16):
     return w4(inputs, ops, model=model, model2=model2, max_tokens=max_tokens)
 
 
-def w6(inputs, ops=None, *, model: str = "tiny", turns: int = 3, max_tokens: int = 16):
+def w6(inputs, ops=None, *, model: str | None = None, turns: int = 3, max_tokens: int = 16):
     ops = ops or Lazy(model)
     template, slots = SYSTEM + "User: {q}\nAssistant:", {"q": inputs.questions}
     reply = ops.generate(template, max_tokens=max_tokens, **slots)

@@ -28,7 +28,7 @@ DRAFT = "Context:\n{c}\nQuestion: {q}\nA first draft of the answer:"
 ROUTES = ("simple", "standard", "complex")
 
 
-def corrective_rag(inputs, ops=None, *, model: str = "tiny", k: int = 3, max_tokens: int = 16):
+def corrective_rag(inputs, ops=None, *, model: str | None = None, k: int = 3, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     docs = ops.search(inputs.index, q, k=k)
@@ -44,7 +44,7 @@ def _correct(ops, question, docs, grade, index, k, max_tokens):
     return ops.generate(ANSWER, c=context, q=question, max_tokens=max_tokens)
 
 
-def adaptive_rag(inputs, ops=None, *, model: str = "tiny", k: int = 3, max_tokens: int = 16):
+def adaptive_rag(inputs, ops=None, *, model: str | None = None, k: int = 3, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     routes = ops.choose(CLASSIFY, ROUTES, q=q)

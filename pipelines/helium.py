@@ -45,7 +45,7 @@ def _lines(parts: dict) -> tuple[str, dict]:
     return "\n".join(f"- {{{name}}}" for name in parts), parts
 
 
-def mapred(inputs, ops=None, *, model: str = "tiny", experts: int = 7, max_tokens: int = 16):
+def mapred(inputs, ops=None, *, model: str | None = None, experts: int = 7, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     answers = {f"e{i}": ops.generate(EXPERT, q=q, role=ROLES[i % len(ROLES)], max_tokens=max_tokens)
@@ -54,7 +54,7 @@ def mapred(inputs, ops=None, *, model: str = "tiny", experts: int = 7, max_token
     return ops.generate(REDUCE.replace("{answers}", listing), q=q, max_tokens=max_tokens, **slots)
 
 
-def debate(inputs, ops=None, *, model: str = "tiny", agents: int = 3, rounds: int = 2, max_tokens: int = 16):
+def debate(inputs, ops=None, *, model: str | None = None, agents: int = 3, rounds: int = 2, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     roles = [ROLES[i % len(ROLES)] for i in range(agents)]
@@ -70,7 +70,7 @@ def debate(inputs, ops=None, *, model: str = "tiny", agents: int = 3, rounds: in
     return ops.generate(JUDGE.replace("{answers}", listing), q=q, max_tokens=max_tokens, **slots)
 
 
-def reflect(inputs, ops=None, *, model: str = "tiny", critics: int = 2, max_tokens: int = 16):
+def reflect(inputs, ops=None, *, model: str | None = None, critics: int = 2, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     answer = ops.generate(EXPERT, q=q, role=ROLES[0], max_tokens=max_tokens)
@@ -79,7 +79,7 @@ def reflect(inputs, ops=None, *, model: str = "tiny", critics: int = 2, max_toke
     return ops.generate(REVISE.replace("{c}", listing), q=q, a=answer, max_tokens=max_tokens, **slots)
 
 
-def iterative(inputs, ops=None, *, model: str = "tiny", max_tokens: int = 16):
+def iterative(inputs, ops=None, *, model: str | None = None, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     chunks = min(len(c) for c in inputs.contexts)
@@ -89,7 +89,7 @@ def iterative(inputs, ops=None, *, model: str = "tiny", max_tokens: int = 16):
     return summary
 
 
-def parallel(inputs, ops=None, *, model: str = "tiny", experts: int = 7, max_tokens: int = 16):
+def parallel(inputs, ops=None, *, model: str | None = None, experts: int = 7, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     docs = ["\n".join(c) for c in inputs.contexts]
@@ -99,7 +99,7 @@ def parallel(inputs, ops=None, *, model: str = "tiny", experts: int = 7, max_tok
     return ops.generate(WRITER.replace("{views}", listing), q=q, max_tokens=max_tokens, **slots)
 
 
-def trading(inputs, ops=None, *, model: str = "tiny", rounds: int = 2, max_tokens: int = 16):
+def trading(inputs, ops=None, *, model: str | None = None, rounds: int = 2, max_tokens: int = 16):
     ops = ops or Lazy(model)
     q = inputs.questions
     docs = ["\n".join(c) for c in inputs.contexts]

@@ -35,18 +35,27 @@ NAIVE = {"passes": [], "granularity": "query", "result_cache": False}
 
 @dataclass(frozen=True)
 class Lazy:
-    """Operations that build daskllm nodes."""
+    """Operations that build daskllm nodes.
 
-    model: str = "tiny"
+    ``model``: None is daskllm's default (``daskllm.model``). ``ignore_eos``: every call
+    generates its ``max_tokens`` (benchmarks on random-weight models, whose end-of-text is
+    noise, use it for a fixed amount of work); by default a call stops where the model does.
+    """
+
+    model: str | None = None
+    ignore_eos: bool = False
     eager = False
 
+    def _model(self, model: str | None) -> str:
+        return model or self.model or daskllm.config.get("model")
+
     def generate(self, template: str, *, model: str | None = None, max_tokens: int = 16, split=None, **slots):
-        return daskllm.generate(daskllm.prompt(template, **slots), model=model or self.model, max_tokens=max_tokens,
-                                ignore_eos=True, split=split)
+        return daskllm.generate(daskllm.prompt(template, **slots), model=self._model(model), max_tokens=max_tokens,
+                                ignore_eos=self.ignore_eos, split=split)
 
     def choose(self, template: str, options: tuple[str, ...], *, model: str | None = None, **slots):
         """One of ``options`` (single words), the model's pick: generation limited to their first tokens."""
-        model = model or self.model
+        model = self._model(model)
         return daskllm.generate(daskllm.prompt(template, **slots), model=model, max_tokens=1,
                                 allowed_token_ids=first_tokens(model, tuple(options)))
 
@@ -149,10 +158,15 @@ class Eager:
     threads), as a UDF over a batch would; otherwise one item after another.
     """
 
-    model: str = "tiny"
+    model: str | None = None
     settings: dict = field(default_factory=lambda: dict(NAIVE))
     parallel: bool = True
+    ignore_eos: bool = False
     eager = True
+
+    @property
+    def lazy(self) -> Lazy:
+        return Lazy(self.model, self.ignore_eos)
 
     def _apply(self, fn, arguments: list[tuple]) -> list:
         if not self.parallel or len(arguments) < 2:
@@ -171,11 +185,11 @@ class Eager:
         return [Items(v) for v in value] if node.batched else Items(value)
 
     def generate(self, template: str, *, model: str | None = None, max_tokens: int = 16, split=None, **slots):
-        node = Lazy(self.model).generate(template, model=model, max_tokens=max_tokens, split=split, **slots)
+        node = self.lazy.generate(template, model=model, max_tokens=max_tokens, split=split, **slots)
         return self._run(node) if split is None else self._lists(node)
 
     def choose(self, template: str, options: tuple[str, ...], *, model: str | None = None, **slots):
-        return self._run(Lazy(self.model).choose(template, options, model=model, **slots))
+        return self._run(self.lazy.choose(template, options, model=model, **slots))
 
     def search(self, index, queries, k: int = 3):
         return self._lists(daskllm.search(index, queries, k=k))

@@ -24,7 +24,7 @@ FIRST = "Context: {p}\nQuestion: {q}\nAnswer:"
 REFINE = "Question: {q}\nExisting answer: {a}\nNew context: {p}\nRefine the existing answer with the new context:"
 
 
-def naive_rag(inputs, ops=None, *, model: str = "tiny", k: int = 3, max_tokens: int = 16):
+def naive_rag(inputs, ops=None, *, model: str | None = None, k: int = 3, max_tokens: int = 16):
     ops = ops or Lazy(model)
     hits = ops.search(inputs.index, inputs.questions, k=k)
     return ops.each(_tree_synthesis, inputs.questions, hits, max_tokens)
@@ -35,7 +35,7 @@ def _tree_synthesis(ops, question, hits, max_tokens):
     return ops.generate(ROOT, a=ops.gather(leaves), q=question, max_tokens=max_tokens)
 
 
-def advanced_rag(inputs, ops=None, *, model: str = "tiny", expansions: int = 3, fanout: int = 4, k: int = 3,
+def advanced_rag(inputs, ops=None, *, model: str | None = None, expansions: int = 3, fanout: int = 4, k: int = 3,
                  words: int = 6, max_tokens: int = 16):
     import daskllm
 

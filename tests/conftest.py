@@ -31,6 +31,28 @@ def daskllm_cache(request, tmp_path_factory) -> Iterator[str]:
             yield shared
 
 
+# The environment variable Dask reads for daskllm.model: tests of mechanics default to `tiny`
+# (fast, random weights); the tests that run the real model name `smollm2`, and the docs'
+# examples run without this variable, as a user would.
+DEFAULT_MODEL_ENV = "DASK_DASKLLM__MODEL"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mechanics_use_tiny() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(DEFAULT_MODEL_ENV, "tiny")
+        with dask.config.set({"daskllm.model": "tiny"}):
+            yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(daskllm_cache) -> pathlib.Path:
+    """The real model, SmolLM2-135M-Instruct, converted once into the shared cache."""
+    from daskllm.models import resolve
+
+    return resolve("smollm2")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(daskllm_cache) -> pathlib.Path:
     """The `tiny` recipe, built once into the shared cache."""
