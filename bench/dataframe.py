@@ -42,21 +42,20 @@ TABLES = {"stdlib": "Explain {qualname} in one line: {first_sentence}",
           "duplicates": "In one line, what is the {module} module for?"}
 
 
-def _ids(template: str, row: dict, model: str) -> list[int]:
-    from daskllm.graph.prompt import Text, _parse_template, render_value, tokenizer_for
+def _text(template: str, row: dict) -> str:
+    """The prompt a plain Dask user sends: the template filled as daskllm fills it (the engine
+    tokenizes the whole string, as daskllm does)."""
+    from daskllm.graph.prompt import Text, _parse_template, render_value
 
-    tok = tokenizer_for(model)
-    ids = list(tok.prefix_ids)
-    for seg in _parse_template(template):
-        ids += tok.encode(seg.text if isinstance(seg, Text) else render_value(row[seg.name]))
-    return ids
+    return "".join(seg.text if isinstance(seg, Text) else render_value(row[seg.name])
+                   for seg in _parse_template(template))
 
 
 def _rowwise(part, template, model, max_tokens):
     from daskllm import SamplingParams, get_engine
 
     engine, params = get_engine(model), SamplingParams(max_tokens=max_tokens)
-    out = [engine.generate([_ids(template, row, model)], params)[0].text for row in part.to_dict("records")]
+    out = [engine.generate([_text(template, row)], params)[0].text for row in part.to_dict("records")]
     return part.assign(out=out)
 
 
@@ -64,7 +63,7 @@ def _batched(part, template, model, max_tokens):
     from daskllm import SamplingParams, get_engine
 
     engine, params = get_engine(model), SamplingParams(max_tokens=max_tokens)
-    prompts = [_ids(template, row, model) for row in part.to_dict("records")]
+    prompts = [_text(template, row) for row in part.to_dict("records")]
     return part.assign(out=[c.text for c in engine.generate(prompts, params)] if prompts else [])
 
 

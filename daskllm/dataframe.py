@@ -218,12 +218,12 @@ def _costs(distinct: pd.DataFrame, op: Op) -> list:
     from daskllm.graph.prompt import render_value, tokenizer_for
 
     tok, limit = tokenizer_for(op.model), _max_len(op.model)
-    # The ids the engine will see: segments tokenized one by one, as daskllm prompts are.
+    # The ids the engine will see: the whole prompt string, tokenized as daskllm prompts are.
     segments = _parse_template(_template(op))
     out = []
     for row in distinct.to_dict("records"):
-        n = len(tok.prefix_ids) + sum(len(tok.encode(seg.text if isinstance(seg, Text) else render_value(row[seg.name])))
-                                      for seg in segments)
+        text = "".join(seg.text if isinstance(seg, Text) else render_value(row[seg.name]) for seg in segments)
+        n = len(tok.encode(text, True))
         if n + 1 > limit:
             out.append(f"prompt has {n} tokens; model {op.model!r} holds at most {limit} including one generated")
         else:
@@ -472,10 +472,13 @@ class LLMAccessor:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop,
                               ignore_eos=ignore_eos)
 
-    def _model(self, model):
+    def _model(self, model, kind: str = "llm"):
         from daskllm.api import _model
+        from daskllm.worker import check_served
 
-        return _model(model)
+        model = _model(model, "llm" if kind == "llm" else "embed")
+        check_served({(kind, model)})  # here, not as an error on every row
+        return model
 
     # -- operators ---------------------------------------------------------------------------
 
@@ -526,10 +529,8 @@ class LLMAccessor:
 
     def embed(self, column: str, *, model: str | None = None, out: str | None = None):
         """A column of embedding vectors (numpy arrays) of a text column."""
-        from daskllm.api import _model
-
         self._column(column)
-        op = Op("embed", _model(model, "embed"), "embed")
+        op = Op("embed", self._model(model, "embed"), "embed")
         keys = self._ddf[column].astype(STRING).rename(KEY)
         return self._with(self._results(keys, op, (), "raise"), out or f"{column}_embedding", "raise", None)
 
@@ -548,11 +549,9 @@ class LLMAccessor:
                out: str | None = None):
         """A column of each row's documents (a list of str) reordered by relevance to its query,
         the ``k`` best first."""
-        from daskllm.api import _model
-
         self._column(query_column)
         self._column(docs_column)
-        op = Op("rerank", _model(model, "embed"), "rerank", k=k)
+        op = Op("rerank", self._model(model, "rerank"), "rerank", k=k)
         keys = self._ddf[[query_column, docs_column]].map_partitions(_pair_keys, meta=(KEY, STRING))
         return self._with(self._results(keys, op, (), "raise"), out or f"{docs_column}_reranked", "raise", None)
 

@@ -302,6 +302,71 @@ def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
     return client.run(models)
 
 
+class ModelNotServedError(LookupError):
+    """Work names a model that no worker of the cluster holds."""
+
+
+def _submitting_client():
+    """The default client of a script submitting work, or None (no client, an asynchronous
+    one, or code running inside a task, whose plans were checked when the job was submitted)."""
+    try:
+        get_worker()
+        return None
+    except ValueError:
+        pass
+    try:
+        from distributed import default_client
+
+        client = default_client()
+    except ValueError:
+        return None
+    return None if client.asynchronous else client
+
+
+def _workers_info(client) -> list[dict]:
+    try:
+        return list(client.scheduler_info(n_workers=-1)["workers"].values())
+    except TypeError:  # older distributed: every worker without asking
+        return list(client.scheduler_info()["workers"].values())
+
+
+def check_served(needed: Iterable[tuple[str, str]]) -> None:
+    """Raise :class:`ModelNotServedError` if a ``(kind, model)`` in ``needed`` is held by no
+    worker of the current cluster, naming what the workers hold. Asks the scheduler once; does
+    nothing without a client, inside a task, or while no worker reports daskllm engines."""
+    from daskllm.models import model_name
+
+    needed = set(needed)
+    client = _submitting_client() if needed else None
+    if client is None:
+        return
+    held: dict[str, dict[str, int]] = {}
+    reporting = 0
+    for info in _workers_info(client):
+        daskllm_metrics = (info.get("metrics") or {}).get("daskllm")
+        if not daskllm_metrics:
+            continue
+        reporting += 1
+        for kind, names in (daskllm_metrics.get("models") or {}).items():
+            for name in names:
+                held.setdefault(kind, {})[name] = held.get(kind, {}).get(name, 0) + 1
+    if not reporting:
+        return
+    missing = sorted((kind, model) for kind, model in needed if model_name(model) not in held.get(kind, {}))
+    if not missing:
+        return
+    holdings = "; ".join(f"{kind}: " + ", ".join(f"{name} ({count} worker{'s' * (count > 1)})"
+                                                for name, count in sorted(models.items()))
+                         for kind, models in sorted(held.items()) if models) or "nothing"
+    wanted = ", ".join(f"{kind} model {model!r}" for kind, model in missing)
+    names = [model for kind, model in missing if kind == "llm"]
+    hint = (f"; start workers with it (LocalLLMCluster(models={names!r}), or `dask worker ... --preload "
+            f"daskllm.preload --daskllm-model {names[0]}`) or name a model they hold (model=...)" if names
+            else "; start workers with it (LocalLLMCluster(embedders=..., rerankers=...)) or name one they hold")
+    raise ModelNotServedError(f"no worker serves the {wanted}; the cluster's {reporting} worker"
+                              f"{'s' * (reporting > 1)} hold {holdings}{hint}")
+
+
 def workers_holding(model: str, kind: str = "llm", memo: dict | None = None) -> int:
     """How many workers of the current cluster hold ``model`` (1 without a cluster), from the
     scheduler's view of their heartbeats. With ``memo`` (e.g. one per plan), asked once."""

@@ -30,7 +30,7 @@ from daskllm.engines.kv_cache import block_hashes
 from daskllm.graph.items import Dyn, hashes, item_of, items, pmap_args, static_prefix
 from daskllm.graph.nodes import BATCHABLE_OPS, Node, _registry, stable_hash
 from daskllm.graph.prompt import tokenizer_for
-from daskllm.worker import workers_holding
+from daskllm.worker import check_served, workers_holding
 from daskllm.rewrite import PassManager
 from daskllm.rewrite.cache import RESULTS, cacheable
 
@@ -96,6 +96,22 @@ def lowered(outputs: list[Node]) -> Lowered:
         if len(_lowered_cache) > 64:
             _lowered_cache.clear()
         _lowered_cache[cache_key] = result
+    return result
+
+
+# Which engine kind serves each op's model.
+_ENGINE_KINDS = {"generate": "llm", "prefill": "llm", "embed": "embed", "rerank": "rerank"}
+
+
+def models_needed(result: Lowered) -> set[tuple[str, str]]:
+    """``(engine kind, model)`` of every task in a plan."""
+    return {(_ENGINE_KINDS[n.op], n.params["model"]) for n in result.plan if n.op in _ENGINE_KINDS}
+
+
+def submitted(outputs: list[Node]) -> Lowered:
+    """:func:`lowered`, for submission: a model no worker holds fails here, naming it."""
+    result = lowered(outputs)
+    check_served(models_needed(result))
     return result
 
 

@@ -127,9 +127,9 @@ class Node(DaskMethodsMixin):
     # --- the Dask collection protocol ----------------------------------------------------------
 
     def __dask_graph__(self):
-        from daskllm.graph.lower import lowered
+        from daskllm.graph.lower import submitted
 
-        return lowered([self]).graph
+        return submitted([self]).graph
 
     def __dask_keys__(self):
         from daskllm.graph.lower import lowered
@@ -179,10 +179,10 @@ class Joint(DaskMethodsMixin):
     __slots__ = ("nodes", "lowered")
 
     def __init__(self, nodes: list[Node]):
-        from daskllm.graph.lower import lowered
+        from daskllm.graph.lower import submitted
 
         self.nodes = list(dict.fromkeys(nodes))
-        self.lowered = lowered(self.nodes)
+        self.lowered = submitted(self.nodes)
 
     def __dask_graph__(self):
         return self.lowered.graph
