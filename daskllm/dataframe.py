@@ -143,6 +143,7 @@ class Op:
     index: object = None  # search: a detached ShardedIndex
     k: int = 5
     budget: Budget | None = None
+    chat: bool = False  # the prompt goes to the model as a user message in its chat template
 
 
 def _render(frame: pd.DataFrame, template: str, slots: tuple) -> pd.Series:
@@ -223,7 +224,10 @@ def _costs(distinct: pd.DataFrame, op: Op) -> list:
     out = []
     for row in distinct.to_dict("records"):
         text = "".join(seg.text if isinstance(seg, Text) else render_value(row[seg.name]) for seg in segments)
-        n = len(tok.encode(text, True))
+        if op.chat:
+            text = tok.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                     add_generation_prompt=True)
+        n = len(tok.encode(text, not op.chat))
         if n + 1 > limit:
             out.append(f"prompt has {n} tokens; model {op.model!r} holds at most {limit} including one generated")
         else:
@@ -247,7 +251,7 @@ def _node(rows: pd.DataFrame, op: Op, slots: tuple):
     values = {s: batch(rows[s].tolist()) for s in slots}
     if not slots:
         values = {}
-    p = daskllm.prompt(template, **values)
+    p = daskllm.chat([{"role": "user", "content": template}], **values) if op.chat else daskllm.prompt(template, **values)
     s = op.sampling
     allowed = _yes_no(op.model) if op.kind == "filter" else _digits(op.model) if op.kind == "rate" else ()
     return daskllm.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -264,28 +268,32 @@ _SUFFIX = {"filter": "\nAnswer yes or no:",
            "rate": "\nRate this from 0 (not at all) to 9 (fully), one digit:"}
 
 
-@functools.cache
-def _yes_no(model: str) -> tuple[int, int]:
-    """The first tokens of " yes" and " no": a filter may generate nothing else."""
+def _first_tokens(model: str, words: list[str]) -> set[int]:
+    """The first token of each word as it may start an answer: with or without a space (a
+    completion continues a line, a chat answer starts afresh), lower or capitalized."""
     from daskllm.graph.prompt import tokenizer_for
 
     tok = tokenizer_for(model)
-    yes, no = tok.encode(" yes")[0], tok.encode(" no")[0]
-    if yes == no:
-        raise ValueError(f"model {model!r}: ' yes' and ' no' start with the same token")
-    return yes, no
+    variants = {v for w in words for v in (w, w.capitalize(), " " + w, " " + w.capitalize())}
+    return {tok.encode(v)[0] for v in variants if tok.encode(v)}
+
+
+@functools.cache
+def _yes_no(model: str) -> tuple[int, ...]:
+    """The tokens a filter's answer may start with: yes or no, nothing else."""
+    yes, no = _first_tokens(model, ["yes"]), _first_tokens(model, ["no"])
+    if yes & no:
+        raise ValueError(f"model {model!r}: 'yes' and 'no' start with the same token")
+    return tuple(sorted(yes | no))
 
 
 @functools.cache
 def _digits(model: str) -> tuple[int, ...]:
-    """The tokens of " 0" ... " 9" (their first tokens): a rating may generate nothing else."""
-    from daskllm.graph.prompt import tokenizer_for
-
-    tok = tokenizer_for(model)
-    ids = tuple(tok.encode(f" {d}")[0] for d in range(10))
-    if len(set(ids)) != 10:
+    """The tokens of the digits 0-9 (their first tokens): a rating may generate nothing else."""
+    firsts = [_first_tokens(model, [str(d)]) for d in range(10)]
+    if any(a & b for i, a in enumerate(firsts) for b in firsts[i + 1:]):
         raise ValueError(f"model {model!r}: the digits 0-9 do not start with distinct tokens")
-    return ids
+    return tuple(sorted(set().union(*firsts)))
 
 
 def _parse(output, op: Op):
@@ -406,26 +414,31 @@ def _sim_join(left: pd.DataFrame, right: pd.DataFrame, k: int, suffixes) -> pd.D
                                                                          dtype="float64"))
 
 
-def _summarize(texts: list[str], model: str, sampling: SamplingParams, instruction: str) -> str:
+def _summarize(texts: list[str], model: str, sampling: SamplingParams, instruction: str, chat: bool) -> str:
     import daskllm
 
     if not texts:
         return ""
     # The instruction first: every summary call of the tree shares it as a cached prefix.
-    node = daskllm.generate(daskllm.prompt(instruction, "\n".join(texts), "\nSummary:"), model=model,
-                            max_tokens=sampling.max_tokens)
+    rows = "\n".join(texts)  # a value, not template text: rows may hold braces
+    if chat:
+        p = daskllm.chat([{"role": "user", "content": instruction.replace("{", "{{").replace("}", "}}") + "{rows}"}],
+                         rows=rows)
+    else:
+        p = daskllm.prompt(instruction.replace("{", "{{").replace("}", "}}") + "{rows}\nSummary:", rows=rows)
+    node = daskllm.generate(p, model=model, max_tokens=sampling.max_tokens)
     summary, plan = _compute_nested(node)
     _record("agg", distinct=1, executed=1, failed=0, children=_plan_keys(plan),
             requested=plan.report.get("requested", {}), rows=len(texts))
     return summary
 
 
-def _summarize_chunk(keys: pd.Series, model, sampling, instruction) -> str:
-    return _summarize([k for k in keys if isinstance(k, str)], model, sampling, instruction)
+def _summarize_chunk(keys: pd.Series, model, sampling, instruction, chat) -> str:
+    return _summarize([k for k in keys if isinstance(k, str)], model, sampling, instruction, chat)
 
 
-def _summarize_parts(parts, model, sampling, instruction) -> str:
-    return _summarize([p for p in parts if p], model, sampling, instruction)
+def _summarize_parts(parts, model, sampling, instruction, chat) -> str:
+    return _summarize([p for p in parts if p], model, sampling, instruction, chat)
 
 
 # --- the accessor ----------------------------------------------------------------------------
@@ -454,7 +467,9 @@ class LLMAccessor:
         if on_error not in ("raise", "null"):
             raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
         frame = self._ddf[list(slots)].assign(**{KEY: keys}) if slots else keys.to_frame()
-        distinct = frame.dropna(subset=[KEY]).drop_duplicates(subset=[KEY])
+        # A task-based shuffle: P2P's per-shuffle bookkeeping (and its log lines) costs more than
+        # it saves on a column of short prompt strings.
+        distinct = frame.dropna(subset=[KEY]).drop_duplicates(subset=[KEY], shuffle_method="tasks")
         meta = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
                              "error": pd.Series([], dtype=STRING)})
         table = distinct.map_partitions(_call, op, slots, meta=meta).repartition(npartitions=1)
@@ -480,32 +495,44 @@ class LLMAccessor:
         check_served({(kind, model)})  # here, not as an error on every row
         return model
 
+    @staticmethod
+    def _chat(model: str, chat: bool | None) -> bool:
+        """Chat unless told otherwise, where the model has a chat template: an instruction-tuned
+        model answers a user message, and often nothing at all to bare text."""
+        if chat is not None:
+            return bool(chat)
+        from daskllm.graph.prompt import tokenizer_for
+
+        return getattr(tokenizer_for(model).tokenizer, "chat_template", None) is not None
+
     # -- operators ---------------------------------------------------------------------------
 
     def map(self, template: str, *, model: str | None = None, max_tokens: int = 64, out: str = "llm_output",
             on_error: str = "raise", budget: Budget | None = None, temperature: float = 0.0,
-            seed: int | None = None, stop=(), ignore_eos: bool = False):
+            seed: int | None = None, stop=(), ignore_eos: bool = False, chat: bool | None = None):
         """A new text column ``out``: the model's answer to ``template`` filled from each row."""
         slots = self._slots(template)
-        op = Op("generate", self._model(model), "map", template,
-                self._sampling(max_tokens, temperature, seed, stop, ignore_eos), budget=budget)
+        model = self._model(model)
+        op = Op("generate", model, "map", template, self._sampling(max_tokens, temperature, seed, stop, ignore_eos),
+                budget=budget, chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(_render, template, slots, meta=(KEY, STRING))
         return self._with(self._results(keys, op, slots, on_error), out, on_error, STRING)
 
     def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
-               budget: Budget | None = None):
+               budget: Budget | None = None, chat: bool | None = None):
         """The rows the model judges true: its answer to ``predicate`` is constrained to yes/no.
         With ``on_error="null"`` a row that cannot be judged is dropped."""
         slots = self._slots(predicate)
         model = self._model(model)
         _yes_no(model)  # fail here if the model cannot say yes or no
-        op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget)
+        op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
+                chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(_render, predicate, slots, meta=(KEY, STRING))
         results = self._results(keys, op, slots, on_error)
         return self._ddf[results["value"].fillna(False).astype(bool)]
 
     def extract(self, template: str, fields: dict, *, model: str | None = None, max_tokens: int = 128,
-                on_error: str = "raise", budget: Budget | None = None):
+                on_error: str = "raise", budget: Budget | None = None, chat: bool | None = None):
         """Structured output: one column per field (``{"name": str, "year": int}``), parsed from a
         JSON object the model writes."""
         slots = self._slots(template)
@@ -515,8 +542,9 @@ class LLMAccessor:
         if not names <= set(_CASTS):
             raise ValueError(f"extract: field types must be among {sorted(_CASTS)}, got {fields!r}")
         spec = tuple((f, t if isinstance(t, str) else t.__name__) for f, t in fields.items())
-        op = Op("extract", self._model(model), "extract", template, SamplingParams(max_tokens=max_tokens),
-                fields=spec, budget=budget)
+        model = self._model(model)
+        op = Op("extract", model, "extract", template, SamplingParams(max_tokens=max_tokens),
+                fields=spec, budget=budget, chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(_render, template, slots, meta=(KEY, STRING))
         results = self._results(keys, op, slots, on_error)
         columns = {}
@@ -568,30 +596,31 @@ class LLMAccessor:
         return left.map_partitions(_sim_join, right, k, suffixes, meta=meta)
 
     def topk(self, criterion: str, k: int, *, model: str | None = None, out: str = "rating",
-             budget: Budget | None = None):
+             budget: Budget | None = None, chat: bool | None = None):
         """The ``k`` rows that best meet ``criterion`` (a template with ``{column}`` fields): the
         model rates each row 0-9 (one token, constrained to digits), then Dask's tree reduction
         ``nlargest`` keeps the best, ties in table order."""
         slots = self._slots(criterion)
-        op = Op("rate", self._model(model), "topk", criterion, SamplingParams(max_tokens=1), budget=budget)
+        model = self._model(model)
+        op = Op("rate", model, "topk", criterion, SamplingParams(max_tokens=1), budget=budget,
+                chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(_render, criterion, slots, meta=(KEY, STRING))
         rated = self._with(self._results(keys, op, slots, "raise"), out, "raise", "int64")
         return rated.nlargest(k, out)
 
     def agg(self, template: str, *, model: str | None = None, max_tokens: int = 64, split_every: int = 8,
-            instruction: str = "Summarize the following in a few sentences:\n"):
+            instruction: str = "Summarize the following in a few sentences:\n", chat: bool | None = None):
         """One text summarizing the whole table, map-reduce style (Dask's tree reduction): each
         partition's rows (``template`` filled per row) are summarized, then groups of
         ``split_every`` summaries, until one is left. Returns a lazy dask scalar."""
         slots = self._slots(template)
         model = self._model(model)
-        sampling = SamplingParams(max_tokens=max_tokens)
+        options = dict(model=model, sampling=SamplingParams(max_tokens=max_tokens), instruction=instruction,
+                       chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(_render, template, slots, meta=(KEY, STRING))
         return keys.reduction(_summarize_chunk, aggregate=_summarize_parts, combine=_summarize_parts,
-                              split_every=split_every, meta=(None, object),
-                              chunk_kwargs=dict(model=model, sampling=sampling, instruction=instruction),
-                              aggregate_kwargs=dict(model=model, sampling=sampling, instruction=instruction),
-                              combine_kwargs=dict(model=model, sampling=sampling, instruction=instruction))
+                              split_every=split_every, meta=(None, object), chunk_kwargs=options,
+                              aggregate_kwargs=options, combine_kwargs=options)
 
     def _column(self, column: str) -> None:
         if column not in self._ddf.columns:
