@@ -286,20 +286,28 @@ def compute(*nodes, passes=None, granularity=None, result_cache=None, **kwargs):
         joint = Joint(ours)  # planned together here: Dask may optimize on the scheduler
         note_lowering(joint.lowered)
         values, *others = dask.compute(joint, *[n for n in nodes if not isinstance(n, Node)], **rest)
-    by_key = dict(zip((n.key for n in joint.nodes), values))
-    others = iter(others)
-    results = tuple(by_key[n.key] if isinstance(n, Node) else next(others) for n in nodes)
-    for node, value in zip(nodes, results):
-        if isinstance(node, Node):
-            remember(node.key, value)  # here, on the client: Dask may finalize on a worker
+        by_key = dict(zip((n.key for n in joint.nodes), values))
+        others = iter(others)
+        results = tuple(by_key[n.key] if isinstance(n, Node) else next(others) for n in nodes)
+        for node, value in zip(nodes, results):
+            if isinstance(node, Node):
+                # Here, on the client (Dask may finalize on a worker), and under this call's
+                # settings: result_cache=False remembers nothing.
+                remember(node.key, value)
     return results
 
 
-def explain(*nodes, file=None) -> dict:
-    """Print (and return) the optimized plan: passes applied, tasks by type, calls merged, tokens saved."""
-    from daskllm.graph.lower import lowered
+def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None) -> dict:
+    """Print (and return) the optimized plan: passes applied, tasks by type, calls merged, tokens saved.
 
-    report = lowered(list(nodes)).report
+    The settings are those of :func:`compute`: ``explain(node, passes=[], granularity="query")``
+    shows the naive plan."""
+    from daskllm.graph.lower import lowered, overrides
+
+    settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
+                                  "result_cache": result_cache}.items() if v is not None}
+    with overrides(settings):
+        report = lowered(list(nodes)).report
     lines = [f"passes applied: {', '.join(report.get('applied', [])) or 'none'}",
              "tasks by type: " + ", ".join(f"{op} {n}" for op, n in sorted(report.get("tasks", {}).items())),
              "calls requested: " + ", ".join(f"{op} {n}" for op, n in sorted(report.get("requested", {}).items()))]

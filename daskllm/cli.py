@@ -15,18 +15,22 @@ def main():
 
 @main.command()
 @click.option("--model", default=None, help="Recipe name or local HF model directory (default: daskllm.model, smollm2).")
-@click.option("--workers", "n_workers", default=1, show_default=True, help="Worker processes (one per GPU on GPUs).")
-@click.option("--requests", "n_requests", default=32, show_default=True, help="Questions to answer.")
-@click.option("--max-tokens", default=32, show_default=True, help="Tokens generated per question.")
+@click.option("--workers", "n_workers", default=2, show_default=True, help="Worker processes (one per GPU on GPUs).")
+@click.option("--questions", "n_questions", default=12, show_default=True,
+              type=click.IntRange(1, 16), help="Questions about the standard library to answer (at most 16).")
+@click.option("--max-tokens", default=48, show_default=True, help="Most tokens generated per answer.")
+@click.option("--rows", type=click.IntRange(1), default=None,
+              help="Rows of the table job (default: every row of its 12 modules, about 400).")
 @click.option("--dashboard-address", default=":8787", show_default=True)
 @click.option("--keep-alive", default=0.0, help="Seconds to keep the cluster (and dashboard) up afterwards.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the summary as JSON.")
-def demo(model, n_workers, n_requests, max_tokens, dashboard_address, keep_alive, json_path):
-    """Run the demo job on a local cluster with the embedded engine."""
+def demo(model, n_workers, n_questions, max_tokens, rows, dashboard_address, keep_alive, json_path):
+    """The main job: a real model answers questions about the standard library with retrieval on a
+    local cluster, then a table job; prints what the plan did and the dashboard's address."""
     from daskllm import demo as demo_job
 
-    summary = demo_job.run(model=model, n_workers=n_workers, n_requests=n_requests, max_tokens=max_tokens,
-                           dashboard_address=dashboard_address, keep_alive=keep_alive, echo=click.echo)
+    summary = demo_job.run(model=model, n_workers=n_workers, n_questions=n_questions, max_tokens=max_tokens,
+                           rows=rows, dashboard_address=dashboard_address, keep_alive=keep_alive, echo=click.echo)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2, default=str)

@@ -1,201 +1,232 @@
-"""The main job, a tour on the embedded engine: a batch through the task graph, a table job
-and a RAG pipeline, with the dashboard up while it runs.
+"""The main job (``make demo``, ``daskllm demo``): a real model answering real questions on a
+local Dask cluster, and what daskllm did to get there.
 
-A local cluster starts with the embedded engine on every worker. The questions are one
-batched ``daskllm.generate`` over a shared system prompt: the rewrite passes give the shared
-prefix its own prefill task and cut the batch into shards, the placement plugin puts each
-shard where its prefix is cached, and ``daskllm.usage()`` reports what really ran. The table
-job runs ``ddf.llm`` map, filter and extract over rows of the standard-library table, and the
-map again as plain Dask for comparison. The RAG pipeline embeds documentation passages into a
-vector index on the workers and answers questions generated from the same table.
+1. **Questions with retrieval.** Documentation passages of the running Python's standard
+   library are embedded (MiniLM) into a faiss index sharded over the workers; each question
+   is searched there, and SmolLM2-135M-Instruct answers it from the passages found, in one
+   planned graph (search, then generate). Each answer is checked: does it name the module
+   that does the job? The same questions without the passages show what retrieval adds.
+2. **The plan's numbers.** What the rewrite passes made of that graph, and the same work
+   under the naive plan (a task per call, no rewrites): time, tasks, prefix-cache hits, and
+   the same answers.
+3. **A table job.** ``ddf.llm.map`` over rows of the standard-library table: identical
+   prompts anywhere in the table run once; the same map as a plain Dask ``map_partitions``
+   (one model call per row) for comparison.
+
+The dashboard (with its LLM page) is up while it runs.
 """
 
 from __future__ import annotations
 
+import io
+import re
 import time
-
-import dask
 
 from distributed import Client
 
 from daskllm.cluster import LocalLLMCluster
-from daskllm.graph.prompt import tokenizer_for
-from daskllm.worker import engine_stats
 
-SYSTEM_PROMPT = (
-    "You are a senior Python engineer who answers questions about the Python standard library. "
-    "Answer in one or two short sentences, name the module and the function you would use, "
-    "and mention one pitfall a newcomer is likely to hit. Prefer the standard library to "
-    "third-party packages, and say so when a task really needs one. Be precise about "
-    "versions: the interpreter running this demo is CPython 3.11.\n\n"
-)
-
-TOPICS = [
-    "read a JSON file", "parse command-line arguments", "walk a directory tree", "time a function",
-    "run a subprocess and capture its output", "compute a SHA-256 digest", "parse a date string",
-    "make a temporary directory", "sort a list of dicts by a key", "count words in a text",
-    "merge two sorted iterables", "cache a function's results", "read a CSV file",
-    "serialize an object with pickle", "compress a file with gzip", "match a regular expression",
-    "format a table of numbers", "start a thread pool", "send an HTTP request", "log to a file",
-    "copy a file tree", "compare two text files", "generate random passwords", "parse an INI file",
-    "work with fractions exactly", "handle signals", "build a priority queue", "zip a folder",
-    "read environment variables", "encode bytes as base64", "deep-copy a nested structure",
-    "measure memory use of an object",
+# Developer questions and the module that does the job.
+QUESTIONS = [
+    ("How do I read a JSON file into a dict?", "json"),
+    ("How do I parse command-line arguments?", "argparse"),
+    ("How do I compute the SHA-256 hash of a file?", "hashlib"),
+    ("How do I run a shell command and capture its output?", "subprocess"),
+    ("How do I make a temporary directory that is removed afterwards?", "tempfile"),
+    ("How do I copy a whole directory tree?", "shutil"),
+    ("How do I parse a date string like 2024-05-01?", "datetime"),
+    ("How do I count how often each word occurs in a list?", "collections"),
+    ("How do I compress a file with gzip?", "gzip"),
+    ("How do I read rows from a CSV file?", "csv"),
+    ("How do I cache the results of an expensive function?", "functools"),
+    ("How do I find all files matching *.txt in a folder?", "glob"),
+    ("How do I generate a random password?", "secrets"),
+    ("How do I split a shell command line into arguments?", "shlex"),
+    ("How do I wrap long text to 70 columns?", "textwrap"),
+    ("How do I merge several sorted lists into one sorted list?", "heapq"),
 ]
+# The modules whose documentation goes into the index: those above and their neighbours.
+MODULES = sorted({module for _, module in QUESTIONS} | {
+    "os", "os.path", "pathlib", "io", "re", "time", "itertools", "logging", "zipfile", "tarfile", "zlib",
+    "base64", "random", "statistics", "sqlite3", "pickle", "copy", "uuid", "threading", "math", "string",
+    "urllib.parse", "urllib.request", "concurrent.futures", "bisect", "difflib", "configparser", "contextlib",
+    "dataclasses", "operator", "traceback", "timeit", "fnmatch", "codecs",
+})
+SYSTEM = ("You are a Python expert. Answer the question in one or two sentences using the documentation "
+          "given. Name the standard-library module and the function to use.")
+WITH_DOCS = "Documentation:\n{docs}\n\nQuestion: {q}"
+PASSAGE_CHARS = 240
+# Readable answers: the first line (an instruction-tuned model goes on with code examples).
+STOP = ("\n",)
+
+TABLE_MODULES = ["json", "csv", "os", "shutil", "tempfile", "glob", "hashlib", "gzip", "datetime", "heapq",
+                 "textwrap", "secrets"]
+PURPOSE = "In one line, what is the Python {module} module for?"
 
 
-def questions(n: int) -> list[str]:
-    return [f"User: How do I {TOPICS[i % len(TOPICS)]}{' (variant %d)' % (i // len(TOPICS)) if i >= len(TOPICS) else ''}?\n"
-            f"Assistant:" for i in range(n)]
+def names_module(answer: str, module: str) -> bool:
+    """Does the answer name ``module`` (as a word: ``os`` is not named by ``posix``)?"""
+    return re.search(rf"(?<![\w.]){re.escape(module)}(?!\w)", answer, flags=re.IGNORECASE) is not None
 
 
-MAP_TEMPLATE = "In one line, what is the {module} module for?"
+def passages(modules=MODULES):
+    """The documentation passages of ``modules``: (qualname, "qualname(signature): first sentence")."""
+    from daskllm.corpus import stdlib_docs
+
+    docs = stdlib_docs()
+    docs = docs[docs["module"].isin(list(modules))]
+    return [(row.qualname, f"{row.qualname}{row.signature or ''}: {row.first_sentence}"[:PASSAGE_CHARS])
+            for row in docs.itertuples()]
 
 
-def table_job(model: str, rows: int = 300, max_tokens: int = 12, echo=print) -> dict:
-    """Batch analytics over the standard-library table: ``ddf.llm`` map, filter and extract,
-    and the same map written as plain Dask (each partition's prompts sent to the engine)."""
+def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo=print) -> dict:
+    """Section 1 and 2: retrieval-augmented answers, checked, then the plan's numbers."""
+    import daskllm
+    from daskllm.worker import cold_start
+
+    found = passages()
+    echo(f"\n1. Questions about the Python standard library, answered from its documentation\n")
+    start = time.perf_counter()
+    index = daskllm.ShardedIndex.from_texts(client, "demo-stdlib", [text for _, text in found])
+    index_seconds = time.perf_counter() - start
+    echo(f"Indexed {len(found):,} documentation passages of {len(MODULES)} standard-library modules (MiniLM "
+         f"embeddings, a faiss index sharded over the workers) in {index_seconds:.1f} s.")
+    asked = QUESTIONS[:n_questions]
+    questions = [q for q, _ in asked]
+    hits = daskllm.search(index, questions, k=3)
+    with_docs = daskllm.generate(
+        daskllm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": WITH_DOCS}],
+                     docs=hits, q=questions), model=model, max_tokens=max_tokens, stop=STOP)
+    without = daskllm.generate(
+        daskllm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "{q}"}], q=questions),
+        model=model, max_tokens=max_tokens, stop=STOP)
+
+    sources, answers = daskllm.compute(hits, with_docs, result_cache=False)
+    right = [names_module(a, m) for a, (_, m) in zip(answers, asked)]
+    for (question, module), found_hits, answer, ok in list(zip(asked, sources, answers, right))[:6]:
+        echo(f"\n  Q: {question}\n  sources: {', '.join(h.text.split('(')[0].split(':')[0] for h in found_hits)}\n"
+             f"  A: {answer.strip()}\n  {'✓' if ok else '✗'} names {module}")
+    plain_answers = daskllm.compute(without, result_cache=False)[0]
+    plain_right = [names_module(a, m) for a, (_, m) in zip(plain_answers, asked)]
+    echo(f"\n{len(asked)} questions: the answer names the right module for {sum(right)} of {len(asked)} with the "
+         f"documentation, {sum(plain_right)} of {len(asked)} without it.")
+
+    echo("\n2. What the plan did with those questions (each plan timed from cold caches)\n")
+    settings = {"optimized": {}, "naive": {"passes": [], "granularity": "query"}}
+    report = {name: daskllm.explain(hits, with_docs, file=io.StringIO(), result_cache=False, **kw)
+              for name, kw in settings.items()}
+    for line in _plan_lines(report["optimized"]):
+        echo(f"  {line}")
+    seconds, outputs = {}, {}
+    for name, kw in settings.items():
+        cold_start(client)
+        start = time.perf_counter()
+        with daskllm.usage() as usage:
+            outputs[name] = daskllm.compute(hits, with_docs, result_cache=False, **kw)[1]
+        seconds[name] = time.perf_counter() - start
+        if name == "optimized":
+            optimized_usage = usage
+    usage, optimized_seconds, naive_seconds = optimized_usage, seconds["optimized"], seconds["naive"]
+    tasks, naive_tasks = (sum(report[name]["tasks"].values()) for name in settings)
+    same = outputs["naive"] == outputs["optimized"] == answers
+    hit_rate = usage.prefill_tokens_cached / max(1, usage.prefill_tokens)
+    echo(f"\n  optimized plan: {optimized_seconds:.1f} s, {tasks} Dask tasks, {usage.decode_tokens} tokens generated "
+         f"({usage.decode_tokens / optimized_seconds:.0f}/s), {usage.prefill_tokens_cached:,} of "
+         f"{usage.prefill_tokens:,} prompt tokens from the prefix cache ({100 * hit_rate:.0f}%)")
+    echo(f"  naive plan (a task per call, no rewrites): {naive_seconds:.1f} s, {naive_tasks} Dask tasks; "
+         f"same answers: {same}; the optimized plan is {naive_seconds / optimized_seconds:.2f}x as fast")
+    index.drop()
+    return {"questions": len(asked), "passages": len(found), "index_seconds": index_seconds,
+            "named_module_with_docs": sum(right), "named_module_without_docs": sum(plain_right),
+            "answers": answers, "optimized_seconds": optimized_seconds, "naive_seconds": naive_seconds,
+            "tasks": tasks, "naive_tasks": naive_tasks, "same_answers_as_naive": same,
+            "prefix_cache_hit_rate": hit_rate, "usage": usage.as_dict()}
+
+
+def _plan_lines(report: dict) -> list[str]:
+    lines = [f"passes applied: {', '.join(report.get('applied', [])) or 'none'}",
+             "Dask tasks by type: " + ", ".join(f"{op} {n}" for op, n in sorted(report.get("tasks", {}).items()))]
+    if "prefix" in report:
+        r = report["prefix"]
+        lines.append(f"shared-prefix prefill: {r['prefills']} prefill tasks ({r['shared']} shared, {r['partial']} "
+                     f"started before their retrieval finished)")
+    return lines
+
+
+def table_job(model: str, max_tokens: int, rows: int | None = None, echo=print) -> dict:
+    """Section 3: ``ddf.llm`` over rows of the standard-library table (``rows`` of them, spread
+    over the table, or all), and the same map as plain Dask."""
     import dask.dataframe as dd
 
     import daskllm
     from daskllm.corpus import stdlib_docs
 
-    docs = dd.from_pandas(stdlib_docs(limit=rows)[["qualname", "module", "first_sentence"]], npartitions=4)
-    echo(f"\nA table job over {rows} rows of the standard-library table: ddf.llm.map, .filter, .extract ...")
-    t0 = time.perf_counter()
+    docs = stdlib_docs()
+    selected = docs[docs["module"].isin(TABLE_MODULES)][["qualname", "module"]].reset_index(drop=True)
+    if rows is not None and rows < len(selected):
+        selected = selected.iloc[[round(i * len(selected) / rows) for i in range(rows)]].reset_index(drop=True)
+    table = dd.from_pandas(selected, npartitions=4)
+    echo(f"\n3. A table job: ddf.llm over {len(selected)} rows (documented functions and classes of "
+         f"{selected['module'].nunique()} modules)\n")
+    start = time.perf_counter()
     with daskllm.usage() as usage:
-        purpose = docs.llm.map(MAP_TEMPLATE, model=model, max_tokens=max_tokens, out="purpose")
-        public = docs.llm.filter("Is the {module} module about files or the operating system?", model=model)
-        fields = docs.llm.extract("The {module} module", {"topic": str}, model=model, max_tokens=max_tokens,
-                                  on_error="null")
-        out, kept, extracted = dask.compute(purpose, public, fields)
-    elapsed = time.perf_counter() - t0
-    echo(out[["module", "purpose"]].head(3).to_string(max_colwidth=60))
-    echo(f"filter kept {len(kept)} of {rows} rows; extract parsed {int(extracted['topic'].notna().sum())} of {rows} "
-         f"(the model has random weights: its JSON rarely parses, and failed rows say why in extract_error)")
-    for name, stats in usage.operators.items():
-        echo(f"  ddf.llm.{name}: {stats['rows']} rows, {stats['distinct']} distinct prompts, "
-             f"{stats['executed']} model calls")
-    echo(f"all three in {elapsed:.2f}s")
-
-    t1 = time.perf_counter()
-    with daskllm.usage() as map_usage:
-        docs.llm.map(MAP_TEMPLATE, model=model, max_tokens=max_tokens, out="purpose").compute()
-    ours = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    plain = docs.map_partitions(_plain_dask_map, model, max_tokens, meta=docs._meta.assign(purpose="")).compute()
-    theirs = time.perf_counter() - t2
-    same = plain["purpose"].tolist() == out["purpose"].tolist()
-    echo(f"the map alone: {ours:.2f}s with ddf.llm ({map_usage.executed.get('generate', 0)} calls) vs {theirs:.2f}s "
-         f"as plain Dask map_partitions ({rows} calls): {theirs / ours:.1f}x faster, same answers: {same}")
-    return {"rows": rows, "seconds": elapsed, "operators": usage.operators, "map_seconds": ours,
-            "plain_dask_map_seconds": theirs, "speedup_over_plain_dask": theirs / ours, "same_answers": same,
-            "filter_kept": len(kept), "calls": usage.operators.get("map", {}).get("executed", 0),
-            "distinct_prompts": int(out["module"].nunique())}
+        ours = table.llm.map(PURPOSE, model=model, max_tokens=max_tokens, stop=STOP, out="purpose").compute()
+    ours_seconds = time.perf_counter() - start
+    per_module = ours.drop_duplicates("module").set_index("module")["purpose"]
+    echo(f"  table.llm.map({PURPOSE!r}, out=\"purpose\"):")
+    for module in [m for m in TABLE_MODULES if m in per_module][:6]:
+        echo(f"  {module:<9} {per_module[module].strip()}")
+    stats = usage.operators["map"]
+    echo(f"\n  {stats['rows']} rows, {stats['distinct']} distinct prompts, {stats['executed']} model calls, "
+         f"{ours_seconds:.1f} s")
+    start = time.perf_counter()
+    theirs = table.map_partitions(_plain_dask_map, model, max_tokens, meta=table._meta.assign(purpose="")).compute()
+    theirs_seconds = time.perf_counter() - start
+    same = theirs["purpose"].tolist() == ours["purpose"].tolist()
+    echo(f"  the same map as a plain Dask map_partitions calling the model for every row: {theirs_seconds:.1f} s; "
+         f"ddf.llm is {theirs_seconds / ours_seconds:.1f}x faster, same answers: {same}")
+    return {"rows": len(selected), "operators": usage.operators, "map_seconds": ours_seconds,
+            "plain_dask_map_seconds": theirs_seconds, "speedup_over_plain_dask": theirs_seconds / ours_seconds,
+            "same_answers": same, "purposes": per_module.to_dict()}
 
 
 def _plain_dask_map(part, model, max_tokens):
-    """What a Dask user writes without daskllm: the partition's prompts to the worker's engine."""
-    from daskllm import SamplingParams, get_engine, prompt
-    from daskllm.graph.prompt import Text, tokenizer_for
+    """What a Dask user writes without daskllm: each row's chat prompt sent to the worker's engine."""
+    from daskllm import SamplingParams, get_engine
 
-    engine, tok = get_engine(model), tokenizer_for(model)
-    prompts = []
-    for row in part.to_dict("records"):  # the prompt's pieces tokenized as daskllm.prompt does
-        p = prompt(MAP_TEMPLATE, module=row["module"])
-        prompts.append(list(tok.prefix_ids) + [t for seg in p.segments for t in
-                                               tok.encode(seg.text if isinstance(seg, Text) else p.values[seg.name])])
-    completions = engine.generate(prompts, SamplingParams(max_tokens=max_tokens)) if prompts else []
+    engine = get_engine(model)
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": PURPOSE.format(module=m)}],
+                                                    tokenize=True, add_generation_prompt=True, return_dict=False)
+               for m in part["module"]]
+    params = SamplingParams(max_tokens=max_tokens, stop=STOP)
+    completions = engine.generate([list(p) for p in prompts], params) if prompts else []
     return part.assign(purpose=[c.text for c in completions])
 
 
-def rag_job(client, model: str, questions: int = 6, passages: int = 1000, max_tokens: int = 24, echo=print) -> dict:
-    """Retrieval-augmented answers over the same corpus: real MiniLM embeddings in a sharded
-    vector index, top-3 search per question, answers generated from the passages."""
+def run(model: str | None = None, n_workers: int = 2, n_questions: int = 12, max_tokens: int = 48,
+        rows: int | None = None, dashboard_address: str = ":8787", keep_alive: float = 0.0, echo=print) -> dict:
     import daskllm
-    from daskllm.corpus import stdlib_docs
-    from daskllm.qa import stdlib_questions
-
-    asked = stdlib_questions(questions, seed=1)
-    docs = stdlib_docs()
-    keep = sorted(set(range(min(passages, len(docs)))) | set(asked["id"].tolist()))
-    texts = [f"{r.qualname}{r.signature or ''}: {r.first_sentence}" for r in docs.iloc[keep].itertuples()]
-    echo(f"\nA RAG pipeline: {len(texts)} documentation passages embedded into a vector index on the workers ...")
-    t0 = time.perf_counter()
-    index = daskllm.ShardedIndex.from_texts(client, "demo-stdlib", texts, ids=keep)
-    indexed = time.perf_counter() - t0
-    qs = asked["question"].tolist()
-    hits = daskllm.search(index, qs, k=3)
-    answers = daskllm.generate(daskllm.prompt("Documentation:\n{docs}\nQuestion: {q}\nAnswer:", docs=hits, q=qs),
-                               model=model, max_tokens=max_tokens)
-    t1 = time.perf_counter()
-    found, said = daskllm.compute(hits, answers)
-    elapsed = time.perf_counter() - t1
-    right = sum(int(row.id) in {h.id for h in h3} for row, h3 in zip(asked.itertuples(), found))
-    for q, h3, a in list(zip(qs, found, said))[:3]:
-        echo(f"  Q: {q}\n     retrieved: {', '.join(h.text.split(':')[0] for h in h3)}\n     A: {a[:80]!r}")
-    echo(f"{len(qs)} questions in {elapsed:.2f}s (index built in {indexed:.1f}s); the right passage was in the top 3 "
-         f"for {right} of {len(qs)} (real MiniLM embeddings; the answers come from the random-weight model)")
-    index.drop()
-    return {"questions": len(qs), "seconds": elapsed, "index_seconds": indexed, "passages": len(texts),
-            "recall_at_3": right / len(qs)}
-
-
-def run(model: str | None = None, n_workers: int = 1, n_requests: int = 32, max_tokens: int = 32,
-        dashboard_address: str = ":8787", keep_alive: float = 0.0, echo=print) -> dict:
-    import daskllm
+    from daskllm import models
 
     model = model or daskllm.config.get("model")
-
-    t0 = time.perf_counter()
-    echo(f"Starting a local cluster: {n_workers} worker(s), resident engine for model {model!r} ...")
+    recipe = models.RECIPES.get(model)
+    if isinstance(recipe, models.ConvertedRecipe) and not any(r.name == model and r.path for r in models.list_recipes()):
+        echo(f"Converting {model} from the {recipe.package} wheel's {recipe.gguf_file} (once; about 20 s) ...")
+    start = time.perf_counter()
+    models.resolve(model)
+    echo(f"Starting a local Dask cluster: {n_workers} worker(s), each keeping {model} resident ...")
     with LocalLLMCluster(models=[model], n_workers=n_workers, dashboard_address=dashboard_address) as cluster, \
             Client(cluster) as client:
-        startup = time.perf_counter() - t0
+        startup = time.perf_counter() - start
         llm_page = cluster.dashboard_link.rsplit("/", 1)[0] + "/llm"
-        echo(f"Cluster up in {startup:.1f}s. Dashboard: {cluster.dashboard_link} (LLM page: {llm_page})")
-        asked = questions(n_requests)
-        answers = daskllm.generate(daskllm.prompt(SYSTEM_PROMPT + "{q}", q=asked), model=model,
-                                   max_tokens=max_tokens, ignore_eos=True)
-        echo("\nThe plan:")
-        report = daskllm.explain(answers, file=None)
-
-        t1 = time.perf_counter()
-        with daskllm.usage() as usage:
-            texts = daskllm.compute(answers, result_cache=False)[0]
-        elapsed = time.perf_counter() - t1
-        stats = client.run(engine_stats)
-        system_tokens = len(tokenizer_for(model).prefix_ids) + len(tokenizer_for(model).encode(SYSTEM_PROMPT))
-
-        generated = usage.decode_tokens
-        prompt_tokens = usage.prefill_tokens
-        cached = usage.prefill_tokens_cached
-        summary = {
-            "model": model, "workers": n_workers, "requests": len(texts), "seconds": elapsed,
-            "startup_seconds": startup, "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
-            "generated_tokens": generated, "generated_tokens_per_s": generated / elapsed,
-            "requests_per_s": len(texts) / elapsed, "prefix_cache_hit_rate": cached / max(1, prompt_tokens),
-            "system_prompt_tokens": system_tokens, "dashboard": cluster.dashboard_link,
-            "tasks": dict(report.get("tasks", {})), "usage": usage.as_dict(), "engines": stats,
-        }
-        for q, text in list(zip(asked, texts))[:3]:
-            echo(f"  Q: {q.splitlines()[0]}\n  A: {text[:100]!r}")
-        echo("  (the model has random weights, so answers are noise; the work is real)\n")
-        echo(f"{len(texts)} requests in {elapsed:.2f}s through {sum(report['tasks'].values())} Dask tasks "
-             f"({', '.join(f'{n} {op}' for op, n in sorted(report['tasks'].items()))}): "
-             f"{summary['requests_per_s']:.1f} requests/s, {summary['generated_tokens_per_s']:.0f} generated tokens/s")
-        echo(f"Prefix cache: {cached} of {prompt_tokens} prompt tokens served from cache "
-             f"({100 * summary['prefix_cache_hit_rate']:.0f}% hit rate); shared system prompt: {system_tokens} tokens")
-        echo(str(usage))
-        for worker, engines in stats.items():
-            for name, s in engines.items():
-                echo(f"  {worker} {name}: prefill computed {s['prefill_tokens_computed']}, cached "
-                     f"{s['prefill_tokens_cached']}, decoded {s['decode_tokens']}, mean batch {s['mean_batch_size']:.1f}")
-        summary["table"] = table_job(model, max_tokens=min(max_tokens, 12), echo=echo)
-        summary["rag"] = rag_job(client, model, max_tokens=min(max_tokens, 24), echo=echo)
-        echo(f"Dashboard: {cluster.dashboard_link}; the LLM page: {llm_page}")
+        echo(f"Cluster up in {startup:.1f} s. Dashboard: {cluster.dashboard_link} (LLM page: {llm_page})")
+        summary = {"model": model, "workers": n_workers, "startup_seconds": startup,
+                   "dashboard": cluster.dashboard_link}
+        summary["qa"] = answer_questions(client, model, n_questions, max_tokens, echo=echo)
+        summary["table"] = table_job(model, max_tokens=min(max_tokens, 24), rows=rows, echo=echo)
+        echo(f"\nDashboard: {cluster.dashboard_link}; the LLM page: {llm_page}")
         if keep_alive:
-            echo(f"Keeping the cluster up for {keep_alive:.0f}s (Ctrl-C to stop) ...")
+            echo(f"Keeping the cluster up for {keep_alive:.0f} s (Ctrl-C to stop) ...")
             try:
                 time.sleep(keep_alive)
             except KeyboardInterrupt:

@@ -86,15 +86,27 @@ def test_daskllm_help():
     assert "demo" in out and "models" in out
 
 
-def test_demo_runs_end_to_end(tmp_path, tiny_model_dir):
+def test_demo_runs_end_to_end_with_right_readable_answers(tmp_path, smollm2_model_dir):
+    """`daskllm demo` as a user runs it (the default model, smollm2), made smaller: it answers,
+    the answers name the right modules, every plan gives the same answers, and it prints no
+    warning or traceback."""
+    import os
+
+    from conftest import DEFAULT_MODEL_ENV
+
     summary_file = tmp_path / "summary.json"
-    run = subprocess.run([BIN / "daskllm", "demo", "--model", "tiny", "--requests", "8", "--max-tokens", "4",
+    env = {k: v for k, v in os.environ.items() if k != DEFAULT_MODEL_ENV}
+    run = subprocess.run([BIN / "daskllm", "demo", "--questions", "4", "--rows", "60", "--max-tokens", "32",
                           "--dashboard-address", ":0", "--json", summary_file],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=400, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "Dashboard: http://" in run.stdout and "hit rate" in run.stdout
+    assert "Dashboard: http://" in run.stdout and "✓ names json" in run.stdout
+    assert not run.stderr.strip(), run.stderr[-3000:]  # no log line, warning or traceback
+    assert "Traceback" not in run.stdout and "Warning:" not in run.stdout
     summary = json.loads(summary_file.read_text())
-    assert summary["requests"] == 8
-    assert summary["generated_tokens"] == 8 * 4
-    # The shared system prompt was prefilled once, then served from the cache to every request.
-    assert summary["cached_prompt_tokens"] >= 8 * (summary["system_prompt_tokens"] // 16) * 16
+    qa, table = summary["qa"], summary["table"]
+    assert summary["model"] == "smollm2" and qa["questions"] == 4
+    assert qa["named_module_with_docs"] >= 3  # retrieval puts the right module in front of the model
+    assert qa["same_answers_as_naive"] and table["same_answers"]
+    assert all(answer.strip() for answer in qa["answers"])
+    assert table["rows"] == 60 and table["operators"]["map"]["executed"] < 60  # identical prompts ran once
