@@ -268,32 +268,20 @@ _SUFFIX = {"filter": "\nAnswer yes or no:",
            "rate": "\nRate this from 0 (not at all) to 9 (fully), one digit:"}
 
 
-def _first_tokens(model: str, words: list[str]) -> set[int]:
-    """The first token of each word as it may start an answer: with or without a space (a
-    completion continues a line, a chat answer starts afresh), lower or capitalized."""
-    from daskllm.graph.prompt import tokenizer_for
-
-    tok = tokenizer_for(model)
-    variants = {v for w in words for v in (w, w.capitalize(), " " + w, " " + w.capitalize())}
-    return {tok.encode(v)[0] for v in variants if tok.encode(v)}
-
-
 @functools.cache
 def _yes_no(model: str) -> tuple[int, ...]:
     """The tokens a filter's answer may start with: yes or no, nothing else."""
-    yes, no = _first_tokens(model, ["yes"]), _first_tokens(model, ["no"])
-    if yes & no:
-        raise ValueError(f"model {model!r}: 'yes' and 'no' start with the same token")
-    return tuple(sorted(yes | no))
+    from daskllm.graph.prompt import tokenizer_for
+
+    return tokenizer_for(model).answer_tokens(("yes", "no"))
 
 
 @functools.cache
 def _digits(model: str) -> tuple[int, ...]:
-    """The tokens of the digits 0-9 (their first tokens): a rating may generate nothing else."""
-    firsts = [_first_tokens(model, [str(d)]) for d in range(10)]
-    if any(a & b for i, a in enumerate(firsts) for b in firsts[i + 1:]):
-        raise ValueError(f"model {model!r}: the digits 0-9 do not start with distinct tokens")
-    return tuple(sorted(set().union(*firsts)))
+    """The tokens a rating may start with: the digits 0-9, nothing else."""
+    from daskllm.graph.prompt import tokenizer_for
+
+    return tokenizer_for(model).answer_tokens(tuple(str(d) for d in range(10)))
 
 
 def _parse(output, op: Op):
@@ -503,7 +491,7 @@ class LLMAccessor:
             return bool(chat)
         from daskllm.graph.prompt import tokenizer_for
 
-        return getattr(tokenizer_for(model).tokenizer, "chat_template", None) is not None
+        return tokenizer_for(model).has_chat_template
 
     # -- operators ---------------------------------------------------------------------------
 

@@ -40,23 +40,34 @@ class Lazy:
     ``model``: None is daskllm's default (``daskllm.model``). ``ignore_eos``: every call
     generates its ``max_tokens`` (benchmarks on random-weight models, whose end-of-text is
     noise, use it for a fixed amount of work); by default a call stops where the model does.
+    ``chat``: a template is sent as a user message in the model's chat template (None: where
+    the model has one; an instruction-tuned model answers that, and often nothing to bare text).
     """
 
     model: str | None = None
     ignore_eos: bool = False
+    chat: bool | None = None
     eager = False
 
     def _model(self, model: str | None) -> str:
         return model or self.model or daskllm.config.get("model")
 
+    def _prompt(self, template: str, model: str, slots: dict):
+        from daskllm.graph.prompt import tokenizer_for
+
+        chat = self.chat if self.chat is not None else tokenizer_for(model).has_chat_template
+        return daskllm.chat([{"role": "user", "content": template}], **slots) if chat else \
+            daskllm.prompt(template, **slots)
+
     def generate(self, template: str, *, model: str | None = None, max_tokens: int = 16, split=None, **slots):
-        return daskllm.generate(daskllm.prompt(template, **slots), model=self._model(model), max_tokens=max_tokens,
+        model = self._model(model)
+        return daskllm.generate(self._prompt(template, model, slots), model=model, max_tokens=max_tokens,
                                 ignore_eos=self.ignore_eos, split=split)
 
     def choose(self, template: str, options: tuple[str, ...], *, model: str | None = None, **slots):
         """One of ``options`` (single words), the model's pick: generation limited to their first tokens."""
         model = self._model(model)
-        return daskllm.generate(daskllm.prompt(template, **slots), model=model, max_tokens=1,
+        return daskllm.generate(self._prompt(template, model, slots), model=model, max_tokens=1,
                                 allowed_token_ids=first_tokens(model, tuple(options)))
 
     def search(self, index, queries, k: int = 3):
@@ -92,14 +103,10 @@ def _call(_, fn, ops, *args):
 
 @functools.cache
 def first_tokens(model: str, options: tuple[str, ...]) -> tuple[int, ...]:
-    """The first token of " option" for each option; they must differ."""
+    """The tokens an answer naming one of ``options`` may start with."""
     from daskllm.graph.prompt import tokenizer_for
 
-    tok = tokenizer_for(model)
-    ids = tuple(tok.encode(f" {o}")[0] for o in options)
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"model {model!r}: the options {options} do not start with distinct tokens")
-    return ids
+    return tokenizer_for(model).answer_tokens(options)
 
 
 def picked(text: str, options: tuple[str, ...]) -> str:
@@ -162,11 +169,12 @@ class Eager:
     settings: dict = field(default_factory=lambda: dict(NAIVE))
     parallel: bool = True
     ignore_eos: bool = False
+    chat: bool | None = None
     eager = True
 
     @property
     def lazy(self) -> Lazy:
-        return Lazy(self.model, self.ignore_eos)
+        return Lazy(self.model, self.ignore_eos, self.chat)
 
     def _apply(self, fn, arguments: list[tuple]) -> list:
         if not self.parallel or len(arguments) < 2:

@@ -242,6 +242,24 @@ class PromptTokenizer:
     def encode_parts(self, parts, special: bool) -> tuple[int, ...]:
         return encode_parts(parts, special, self.encode)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.tokenizer, "chat_template", None) is not None
+
+    def answer_starts(self, word: str) -> frozenset[int]:
+        """The first tokens of an answer spelling ``word``: with or without a leading space (a
+        completion continues a line, a chat answer starts afresh), lower case or capitalized."""
+        variants = {word, word.lower(), word.capitalize()}
+        return frozenset(ids[0] for v in variants for ids in (self.encode(v), self.encode(" " + v)) if ids)
+
+    def answer_tokens(self, words) -> tuple[int, ...]:
+        """The tokens a constrained answer naming one of ``words`` may start with (for
+        ``allowed_token_ids``); an error if two words share one, as they could not be told apart."""
+        starts = [self.answer_starts(w) for w in words]
+        if any(a & b for i, a in enumerate(starts) for b in starts[i + 1:]):
+            raise ValueError(f"the answers {list(words)} do not start with distinct tokens of {self.model_id!r}")
+        return tuple(sorted(frozenset().union(*starts)))
+
     @functools.lru_cache(maxsize=16384)  # noqa: B019 - see encode
     def stable_prefix(self, parts: tuple, special: bool) -> tuple[int, ...]:
         """The ids that begin every prompt starting with ``parts``, whatever text follows."""
