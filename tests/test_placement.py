@@ -21,7 +21,7 @@ import daskllm
 from daskllm.cluster import LocalLLMCluster
 from daskllm.graph.lower import lowered
 from daskllm.rewrite.cache import RESULTS
-from daskllm.worker import EngineHost, engine_stats, reset_prefix_caches, resident_models
+from daskllm.worker import EngineHost, ModelNotServedError, engine_stats, reset_prefix_caches, resident_models
 from helpers import cold_start, set_policy
 
 SYSTEMS = [f"System prompt {n}: you are assistant number {n}. Answer in one short sentence and cite the module. " * 3
@@ -133,8 +133,14 @@ def test_a_model_no_worker_holds_fails_clearly(client, tiny_model_dir, tmp_path)
     copy = tmp_path / "tiny-copy"
     shutil.copytree(tiny_model_dir, copy)
     node = daskllm.generate("hello", model=str(copy), max_tokens=2)
+    with pytest.raises(ModelNotServedError, match=r"no worker serves the llm model '\S*tiny-copy'.*tiny \(2 workers\)"):
+        client.compute(node)  # at submission, before anything runs
+    # Work that reaches the scheduler anyway (a graph built by hand) fails there, naming the model.
+    with dask.annotate(daskllm={"op": "decode", "model": str(copy), "prefix": [], "prompt_tokens": 1,
+                                "max_tokens": 1, "shard": 1}):
+        value = dask.delayed(sum)([1, 2], dask_key_name="decode-for-a-model-nobody-holds")
     with pytest.raises(Exception, match=r"no worker holds the llm model '\S*tiny-copy'"):
-        client.compute(node).result(timeout=60)
+        client.compute(value).result(timeout=60)
     assert daskllm.generate("hello", max_tokens=2).compute()  # the cluster carries on
 
 
