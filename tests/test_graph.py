@@ -235,6 +235,11 @@ def test_bad_input_fails_at_build_time_naming_the_problem():
         daskllm.generate(daskllm.prompt("{a} {b}", a=["1", "2"], b=["1", "2", "3"]))
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         daskllm.generate("x", max_tokens=0)
+    with pytest.raises(ValueError, match="message 1: token ids cannot go inside a chat message"):
+        daskllm.chat([{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": daskllm.prompt("Q: ", daskllm.tokens([5, 6], model="tiny"))}])
+    with pytest.raises(ValueError, match=r"prompt field \{q\} has no value"):
+        daskllm.chat([{"role": "user", "content": "Q: {q}"}])
 
     class Cyclic:
         name = "make-a-cycle"

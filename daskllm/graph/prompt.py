@@ -129,6 +129,9 @@ def chat(messages: list[dict], **values) -> Prompt:
             content = Prompt(tuple(_merge_text(_parse_template(content))), {})
         elif not isinstance(content, Prompt):
             content = prompt(content)
+        if any(isinstance(seg, Tokens) for seg in content.segments):
+            raise ValueError(f"message {i}: token ids cannot go inside a chat message (the chat template renders "
+                             f"text); give its text, or build the whole prompt from token ids with tokens()")
         clash = set(content.values) & set(values)
         if clash:
             raise ValueError(f"message {i} fills fields {sorted(clash)} given elsewhere too")
