@@ -103,11 +103,11 @@ def main(argv=None) -> int:
     from distributed import Client
 
     import daskllm
-    from daskllm.corpus import stdlib_docs
+    from daskllm.datasets import load
     from daskllm.rewrite.cache import RESULTS
     from daskllm.worker import reset_prefix_caches
 
-    docs = stdlib_docs(limit=args.rows)[["qualname", "module", "first_sentence"]].reset_index(drop=True)
+    docs = load("stdlib-docs", args.rows)[["qualname", "module", "first_sentence"]].reset_index(drop=True)
     ddf = dd.from_pandas(docs, npartitions=args.partitions)
     results = {"machine": machine_info(model=args.model, rows=len(docs), partitions=args.partitions,
                                        max_tokens=args.max_tokens, reps=args.reps,

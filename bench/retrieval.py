@@ -5,10 +5,10 @@
 
 What it measures:
 
-1. **Quality.** The whole stdlib documentation corpus (``daskllm.corpus.stdlib_docs``; text per
+1. **Quality.** The whole stdlib documentation corpus (``daskllm.datasets.load("stdlib-docs")``; text per
    row ``f"{qualname}{signature}: {doc[:300]}"``, id = row id) is embedded once with an in-process
    ``EmbedEngine`` (MiniLM) and the same vectors go into a flat, an IVF and an HNSW
-   ``VectorIndex``. Queries are the first sentences of ``daskllm.qa.stdlib_questions(n)`` (the
+   ``VectorIndex``. Queries are the first sentences of ``daskllm.datasets.load("stdlib-objects", n)`` (the
    part after "does the following: "), whose source row is known: recall@1/5/10 per index
    kind, the latency of one query at a time, and the throughput of one call with all queries.
    For reference, a raw faiss ``IndexFlatIP`` with faiss's default BLAS path (which daskllm
@@ -547,9 +547,8 @@ def main(argv=None) -> int:
     from distributed import Client
 
     from daskllm.cluster import LocalLLMCluster
-    from daskllm.corpus import stdlib_docs
+    from daskllm import datasets
     from daskllm.engines.embedder import EmbedEngine
-    from daskllm.qa import stdlib_questions
 
     info = machine_info()
     log(f"torch {info['torch']} ({info['torch_threads']} threads), faiss {info['faiss']} "
@@ -558,10 +557,10 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     phases = {}
 
-    docs = stdlib_docs(limit=args.corpus_limit)
+    docs = datasets.load("stdlib-docs", args.corpus_limit)
     texts = [corpus_text(r) for r in docs.itertuples()]
     ids = docs["id"].to_numpy(dtype=np.int64)
-    questions = stdlib_questions(args.questions, seed=args.seed)
+    questions = datasets.load("stdlib-objects", args.questions, seed=args.seed)
     questions = questions[questions["id"].isin(ids)]
     queries = [q.split(QUERY_MARKER, 1)[1] for q in questions["question"]]
     truth = questions["id"].to_numpy()

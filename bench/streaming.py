@@ -151,11 +151,10 @@ def main(argv=None) -> int:
     from distributed import Client
 
     import daskllm
-    from daskllm.corpus import stdlib_docs
-    from daskllm.qa import stdlib_questions
+    from daskllm import datasets
 
-    texts = [f"{r.qualname}{r.signature}: {r.doc[:300]}" for r in stdlib_docs(limit=args.docs).itertuples()]
-    questions = stdlib_questions(max(args.loads))["question"].astype(str).tolist()
+    texts = [f"{r.qualname}{r.signature}: {r.doc[:300]}" for r in datasets.load("stdlib-docs", args.docs).itertuples()]
+    questions = datasets.load("stdlib-objects", max(args.loads))["question"].astype(str).tolist()
     results = {"machine": machine_info(model=args.model, loads=args.loads, items=args.items, docs=args.docs,
                                        reps=args.reps, cluster="LocalLLMCluster(n_workers=2, threads_per_worker=4)"),
                "runs": {}}

@@ -84,5 +84,40 @@ def models_build(names):
         click.echo(f"{name}: {resolve(name)}")
 
 
+@main.group()
+def datasets():
+    """The corpus and question sets daskllm loads (daskllm.datasets)."""
+
+
+@datasets.command("list")
+def datasets_list():
+    """List every dataset, where it comes from, and whether it is available here."""
+    from daskllm.datasets import catalog
+
+    for info in catalog():
+        state = "available" if info.available else "not here (needs ../shared/data or $DASKLLM_DATA_DIR)"
+        click.echo(f"  {info.name:<15} {info.kind:<10} {info.description}")
+        click.echo(f"  {'':<15} {'':<10} source: {info.source}; {state}"
+                   + (f": {info.location}" if info.location else ""))
+
+
+@datasets.command("show")
+@click.argument("name")
+@click.option("-n", "n", type=click.IntRange(0), default=5, show_default=True, help="Rows to show.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the generated sets.")
+def datasets_show(name, n, seed):
+    """Print the first rows of a dataset."""
+    import pandas as pd
+
+    from daskllm.datasets import load
+
+    try:
+        frame = load(name, n, seed=seed)
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error)) from None
+    with pd.option_context("display.max_colwidth", 100, "display.width", 200):
+        click.echo(frame.to_string())
+
+
 if __name__ == "__main__":
     main()

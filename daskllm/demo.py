@@ -25,26 +25,9 @@ import time
 from distributed import Client
 
 from daskllm.cluster import LocalLLMCluster
+from daskllm.datasets import HOWTO, names_module
 
-# Developer questions and the module that does the job.
-QUESTIONS = [
-    ("How do I read a JSON file into a dict?", "json"),
-    ("How do I parse command-line arguments?", "argparse"),
-    ("How do I compute the SHA-256 hash of a file?", "hashlib"),
-    ("How do I run a shell command and capture its output?", "subprocess"),
-    ("How do I make a temporary directory that is removed afterwards?", "tempfile"),
-    ("How do I copy a whole directory tree?", "shutil"),
-    ("How do I parse a date string like 2024-05-01?", "datetime"),
-    ("How do I count how often each word occurs in a list?", "collections"),
-    ("How do I compress a file with gzip?", "gzip"),
-    ("How do I read rows from a CSV file?", "csv"),
-    ("How do I cache the results of an expensive function?", "functools"),
-    ("How do I find all files matching *.txt in a folder?", "glob"),
-    ("How do I generate a random password?", "secrets"),
-    ("How do I split a shell command line into arguments?", "shlex"),
-    ("How do I wrap long text to 70 columns?", "textwrap"),
-    ("How do I merge several sorted lists into one sorted list?", "heapq"),
-]
+QUESTIONS = HOWTO
 # The modules whose documentation goes into the index: those above and their neighbours.
 MODULES = sorted({module for _, module in QUESTIONS} | {
     "os", "os.path", "pathlib", "io", "re", "time", "itertools", "logging", "zipfile", "tarfile", "zlib",
@@ -64,19 +47,32 @@ TABLE_MODULES = ["json", "csv", "os", "shutil", "tempfile", "glob", "hashlib", "
 PURPOSE = "In one line, what is the Python {module} module for?"
 
 
-def names_module(answer: str, module: str) -> bool:
-    """Does the answer name ``module`` (as a word: ``os`` is not named by ``posix``)?"""
-    return re.search(rf"(?<![\w.]){re.escape(module)}(?!\w)", answer, flags=re.IGNORECASE) is not None
-
-
 def passages(modules=MODULES):
     """The documentation passages of ``modules``: (qualname, "qualname(signature): first sentence")."""
-    from daskllm.corpus import stdlib_docs
+    from daskllm.datasets import load
 
-    docs = stdlib_docs()
+    docs = load("stdlib-docs")
     docs = docs[docs["module"].isin(list(modules))]
     return [(row.qualname, f"{row.qualname}{row.signature or ''}: {row.first_sentence}"[:PASSAGE_CHARS])
             for row in docs.itertuples()]
+
+
+def answer_graph(index, questions: list[str], model: str, *, system: str, k: int, max_tokens: int):
+    """The graph of retrieval-augmented answers: (hits, answers from the hits, answers without them).
+
+    Each question is searched in ``index``; the model answers it in a chat whose system message
+    is ``system``, once from the ``k`` passages found and once from the question alone.
+    """
+    import daskllm
+
+    hits = daskllm.search(index, questions, k=k)
+    with_docs = daskllm.generate(
+        daskllm.chat([{"role": "system", "content": system}, {"role": "user", "content": WITH_DOCS}],
+                     docs=hits, q=questions), model=model, max_tokens=max_tokens, stop=STOP)
+    without = daskllm.generate(
+        daskllm.chat([{"role": "system", "content": system}, {"role": "user", "content": "{q}"}], q=questions),
+        model=model, max_tokens=max_tokens, stop=STOP)
+    return hits, with_docs, without
 
 
 def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo=print) -> dict:
@@ -93,13 +89,7 @@ def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo
          f"embeddings, a faiss index sharded over the workers) in {index_seconds:.1f} s.")
     asked = QUESTIONS[:n_questions]
     questions = [q for q, _ in asked]
-    hits = daskllm.search(index, questions, k=3)
-    with_docs = daskllm.generate(
-        daskllm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": WITH_DOCS}],
-                     docs=hits, q=questions), model=model, max_tokens=max_tokens, stop=STOP)
-    without = daskllm.generate(
-        daskllm.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "{q}"}], q=questions),
-        model=model, max_tokens=max_tokens, stop=STOP)
+    hits, with_docs, without = answer_graph(index, questions, model, system=SYSTEM, k=3, max_tokens=max_tokens)
 
     sources, answers = daskllm.compute(hits, with_docs, result_cache=False)
     right = [names_module(a, m) for a, (_, m) in zip(answers, asked)]
@@ -159,9 +149,9 @@ def table_job(model: str, max_tokens: int, rows: int | None = None, echo=print) 
     import dask.dataframe as dd
 
     import daskllm
-    from daskllm.corpus import stdlib_docs
+    from daskllm.datasets import load
 
-    docs = stdlib_docs()
+    docs = load("stdlib-docs")
     selected = docs[docs["module"].isin(TABLE_MODULES)][["qualname", "module"]].reset_index(drop=True)
     if rows is not None and rows < len(selected):
         selected = selected.iloc[[round(i * len(selected) / rows) for i in range(rows)]].reset_index(drop=True)

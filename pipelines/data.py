@@ -38,17 +38,14 @@ class Inputs:
 def questions(n: int, source: str = "auto", seed: int = 0) -> list[str]:
     """``n`` questions: from ``../shared/data`` (``source`` hotpotqa, parallelqa, movies; auto
     takes hotpotqa when present) or from the stdlib corpus (``stdlib``), repeated if short."""
-    from daskllm import qa
+    from daskllm import datasets
 
     if source == "auto":
-        source = "hotpotqa" if qa.default_data_dir() is not None else "stdlib"
+        source = "hotpotqa" if datasets.default_data_dir() is not None else "stdlib"
     if source == "stdlib":
-        texts = list(qa.stdlib_questions(min(n, 2000), seed=seed)["question"])
+        texts = list(datasets.load("stdlib-objects", min(n, 2000), seed=seed)["question"])
     else:
-        data_dir = qa.default_data_dir()
-        if data_dir is None:
-            raise FileNotFoundError(f"question set {source!r} needs ../shared/data (or $DASKLLM_DATA_DIR)")
-        texts = list(qa.load_questions(source, data_dir)["question"])
+        texts = list(datasets.load(source)["question"])
     if not texts:
         raise ValueError(f"question source {source!r} gave no questions")
     return [texts[i % len(texts)] for i in range(n)]
@@ -56,9 +53,9 @@ def questions(n: int, source: str = "auto", seed: int = 0) -> list[str]:
 
 def passages(limit: int | None = 2000) -> list[str]:
     """Documentation passages of the stdlib corpus: name, signature and the doc's start."""
-    from daskllm.corpus import stdlib_docs
+    from daskllm import datasets
 
-    docs = stdlib_docs(limit=limit)
+    docs = datasets.load("stdlib-docs", limit)
     return [f"{row.qualname}{row.signature or ''}: {row.doc}"[:PASSAGE_CHARS] for row in docs.itertuples()]
 
 

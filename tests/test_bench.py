@@ -105,3 +105,44 @@ def test_harness_runs_every_system_and_checks_exactness(tmp_path, daskllm_cache)
     # one query at a time cannot batch across queries
     assert report["results"][0]["systems"]["sequential"]["mean_batch"] <= 1.5
     assert "| w2 | daskllm |" in done.stdout
+
+
+def test_quality_scorer_counts_answers_that_name_the_module():
+    import quality
+    from daskllm.index import Hit
+
+    assert quality.accuracy(["Use the json module.", "posix", "os.path.join", ""], ["json", "os", "os", "csv"]) == 0.5
+    assert quality.accuracy([], []) == 0.0
+    with pytest.raises(ValueError, match="2 answers for 1 questions"):
+        quality.accuracy(["a", "b"], ["json"])
+    hits = [[Hit(id=3, score=0.9, text="a"), Hit(id=5, score=0.8, text="b")], [Hit(id=1, score=0.5, text="c")]]
+    assert quality.recall(hits, [5, 2]) == 0.5
+    assert quality.recall(hits, [None, 1]) == 1.0 and quality.recall(hits, [None, None]) is None
+
+
+def test_quality_plans_remove_one_thing_each():
+    import quality
+
+    names = quality.plan_names()
+    assert names[:2] == ["optimized", "naive"] and "-prefix" in names and "-placement" in names
+    assert quality.plan_settings("naive") == ({"passes": [], "granularity": "query", "result_cache": False}, "off")
+    settings, policy = quality.plan_settings("-cse")
+    assert "cse" not in settings["passes"] and "prefix" in settings["passes"] and policy == "cache_aware"
+    assert quality.plan_settings("optimized") == ({"passes": None, "result_cache": False}, "cache_aware")
+
+
+@pytest.mark.slow
+def test_quality_benchmark_runs_and_compares_every_plan_with_naive(tmp_path, daskllm_cache):
+    out = tmp_path / "quality.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--model", "tiny", "--questions", "3",
+                           "--howto", "2", "--index-rows", "100", "--max-tokens", "3",
+                           "--plans", "optimized,naive,-prefix,-placement", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["questions"] == {"stdlib-modules": 3, "stdlib-howto": 2} and report["passages"] == 100
+    assert set(report["plans"]) == {"optimized", "naive", "-prefix", "-placement"}
+    assert all(p["same_answers_as_naive"] for p in report["plans"].values())
+    # the index always holds the generated questions' source rows: exact-sentence search finds them
+    assert report["retrieval_recall"] == 1.0
+    assert len(report["examples"]) == 5 and "every plan gives the naive plan's answers: True" in done.stdout

@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from daskllm import corpus, qa
+from daskllm import corpus, datasets
 from daskllm.corpus import COLUMNS, KINDS, stdlib_docs, stdlib_docs_ddf
 
 STRING = pd.ArrowDtype(pa.string())
@@ -173,7 +173,7 @@ def test_first_sentence():
 
 @pytest.fixture(scope="module")
 def data_dir() -> pathlib.Path:
-    directory = qa.default_data_dir()
+    directory = datasets.default_data_dir()
     if directory is None or not directory.is_dir():
         pytest.skip(
             "the shared question sets are absent (no $DASKLLM_DATA_DIR and no ../shared/data "
@@ -187,7 +187,7 @@ def data_dir() -> pathlib.Path:
     [("hotpotqa", 1487, ["level"]), ("parallelqa", 113, ["branch"]), ("movies", 500, [])],
 )
 def test_load_real_question_sets(data_dir, name, rows, extra):
-    frame = qa.load_questions(name, data_dir)
+    frame = datasets.load_questions(name, data_dir)
     assert len(frame) == rows
     assert list(frame.columns) == ["id", "question", "answer", *extra]
     for column in ("id", "question", "answer"):
@@ -202,18 +202,18 @@ def test_load_real_question_sets(data_dir, name, rows, extra):
 
 
 def test_load_by_file_stem(data_dir):
-    by_stem = qa.load_questions("parallelqa_dataset", data_dir)
-    pd.testing.assert_frame_equal(by_stem, qa.load_questions("parallelqa", data_dir))
+    by_stem = datasets.load_questions("parallelqa_dataset", data_dir)
+    pd.testing.assert_frame_equal(by_stem, datasets.load_questions("parallelqa", data_dir))
 
 
 def test_unknown_set():
     with pytest.raises(ValueError, match="unknown question set"):
-        qa.load_questions("squad", "/nonexistent")
+        datasets.load_questions("squad", "/nonexistent")
 
 
 def test_missing_file_names_path_and_set(tmp_path):
     with pytest.raises(FileNotFoundError) as error:
-        qa.load_questions("hotpotqa", tmp_path)
+        datasets.load_questions("hotpotqa", tmp_path)
     message = str(error.value)
     assert str(tmp_path / "hotpotqa_comparison.json") in message
     assert "hotpotqa" in message
@@ -238,22 +238,22 @@ def test_missing_file_names_path_and_set(tmp_path):
 def test_malformed_file(tmp_path, rows, pattern):
     (tmp_path / "parallelqa_dataset.json").write_text(json.dumps(rows))
     with pytest.raises(ValueError, match=pattern):
-        qa.load_questions("parallelqa", tmp_path)
+        datasets.load_questions("parallelqa", tmp_path)
 
 
 def test_invalid_json(tmp_path):
     (tmp_path / "movie_recommendations_formatted.json").write_text("[{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        qa.load_questions("movies", tmp_path)
+        datasets.load_questions("movies", tmp_path)
 
 
 def test_default_data_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("DASKLLM_DATA_DIR", str(tmp_path))
-    assert qa.default_data_dir() == tmp_path
+    assert datasets.default_data_dir() == tmp_path
 
 
 def test_stdlib_questions(docs):
-    questions = qa.stdlib_questions(50)
+    questions = datasets.stdlib_questions(50)
     assert len(questions) == 50
     assert list(questions.columns) == ["id", "question", "answer", "kind"]
     assert questions["id"].is_unique
@@ -262,5 +262,5 @@ def test_stdlib_questions(docs):
         source = docs.loc[row.id]
         assert source["qualname"] == row.answer
         assert source["first_sentence"] in row.question
-    pd.testing.assert_frame_equal(questions, qa.stdlib_questions(50))
-    assert set(qa.stdlib_questions(50, seed=1)["id"]) != set(questions["id"])
+    pd.testing.assert_frame_equal(questions, datasets.stdlib_questions(50))
+    assert set(datasets.stdlib_questions(50, seed=1)["id"]) != set(questions["id"])

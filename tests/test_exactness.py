@@ -27,12 +27,12 @@ TEMPLATE = "Answer briefly.\nQuestion: {q}\nAnswer:"
 def real_questions(n: int) -> list[str]:
     """``n`` real questions, from every set in ../shared/data when present (long multiple-choice
     prompts with line breaks included), else generated from the stdlib corpus."""
-    from daskllm import qa
+    from daskllm import datasets
 
-    data_dir = qa.default_data_dir()
+    data_dir = datasets.default_data_dir()
     if data_dir is None:
-        return list(qa.stdlib_questions(n)["question"])
-    sets = [list(qa.load_questions(name, data_dir)["question"]) for name in ("hotpotqa", "parallelqa", "movies")]
+        return list(datasets.stdlib_questions(n)["question"])
+    sets = [list(datasets.load_questions(name, data_dir)["question"]) for name in ("hotpotqa", "parallelqa", "movies")]
     mixed = [q for group in zip(*sets) for q in group]
     return mixed[:n]
 

@@ -14,7 +14,7 @@ from daskllm.engines import RequestError
 from daskllm.engines.embedder import EmbedEngine
 from daskllm.engines.reranker import BiEncoderReranker
 from daskllm.index import VectorIndex, merge_hits
-from daskllm.qa import stdlib_questions
+from daskllm.datasets import stdlib_questions
 from daskllm.retrieval import ShardedIndex, embed, rerank
 
 DOCS = [
