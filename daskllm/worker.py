@@ -364,7 +364,7 @@ def check_served(needed: Iterable[tuple[str, str]]) -> None:
             f"daskllm.preload --daskllm-model {names[0]}`) or name a model they hold (model=...)" if names
             else "; start workers with it (LocalLLMCluster(embedders=..., rerankers=...)) or name one they hold")
     raise ModelNotServedError(f"no worker serves the {wanted}; the cluster's {reporting} worker"
-                              f"{'s' * (reporting > 1)} hold {holdings}{hint}")
+                              f"{'s hold' if reporting > 1 else ' holds'} {holdings}{hint}")
 
 
 def workers_holding(model: str, kind: str = "llm", memo: dict | None = None) -> int:

@@ -1,12 +1,137 @@
-"""The configuration reference documents every setting there is."""
+"""The documentation is right: every setting is in the reference, links resolve, and every
+example runs.
+
+Every ```python block of README.md and docs/*.md is compiled (fast) and run as a program of its
+own (``sys.executable`` in a fresh subprocess, in an empty temporary directory, as a user would
+run it: the default model ``smollm2``, ``DASK_DASKLLM__MODEL`` removed from the environment,
+the session's model cache in ``DASKLLM_CACHE_DIR``, the repository root on ``PYTHONPATH`` for
+``pipelines`` and ``bench``). A block passes when it exits 0 within ``BLOCK_TIMEOUT`` seconds.
+Test ids are the file and the line of the opening fence: ``docs/guide.md:35``.
+
+A block may be preceded, on the line right before its fence, by one marker:
+
+``<!-- docs-test: skip: REASON -->``
+    not run (still compiled): it needs what a test machine does not have, e.g. a GPU or a
+    remote cluster. The reason is the skip's reason.
+``<!-- docs-test: continues -->``
+    runs after the previous ```python block of the same file, as one program (that block's
+    own program first, so chains work): for a block using names an earlier one defined.
+
+In ```bash / ```console blocks, every ``daskllm ...`` command is checked without running it:
+``daskllm <the same arguments> --help`` must succeed (so the subcommands and options exist) and
+print every option the command uses.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
 
+import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK_TIMEOUT = 240  # seconds per block; a cluster start with smollm2 takes 10-20 s here
+MARKERS = {"skip", "continues"}
+
+_FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
+_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>[\w-]+)\s*(?::\s*(?P<reason>.*?))?\s*-->\s*$")
+# Programs that start processes or run a model: the slow tier.
+_SLOW = re.compile(r"LocalLLMCluster|LocalCluster|\.compute\(|daskllm\.compute\(|explain\(|EmbedEngine|"
+                   r"Reranker|stdlib_docs|datasets\.load|usage\(")
+
+
+@dataclasses.dataclass
+class Block:
+    doc: str  # path relative to the repository root
+    line: int  # line of the opening fence, 1-based
+    lang: str
+    code: str
+    marker: str | None = None
+    reason: str | None = None
+    previous: Block | None = None  # the previous python block of the same file
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+    def program(self) -> str:
+        """The code this block runs: with ``continues``, the previous block's program first."""
+        if self.marker == "continues" and self.previous is not None:
+            return f"{self.previous.program()}\n\n# --- {self.id} ---\n{self.code}"
+        return self.code
+
+    def skip_reason(self) -> str | None:
+        if self.marker == "skip":
+            return self.reason
+        if self.marker == "continues" and self.previous is not None:
+            reason = self.previous.skip_reason()
+            return reason and f"continues {self.previous.id}, skipped: {reason}"
+        return None
+
+
+PROBLEMS: list[str] = []  # malformed markers and fences, reported by a test rather than at collection
+
+
+def _parse(doc: pathlib.Path) -> list[Block]:
+    name = doc.relative_to(ROOT).as_posix()
+    lines = doc.read_text().splitlines()
+    blocks: list[Block] = []
+    previous_python = None
+    i = 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        marker = _MARKER.match(lines[i])
+        if marker and not (i + 1 < len(lines) and _FENCE.match(lines[i + 1])):
+            PROBLEMS.append(f"{name}:{i + 1}: a docs-test marker must be on the line right before a fence")
+        if not fence:
+            i += 1
+            continue
+        indent, start = fence["indent"], i
+        body = []
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        if i == len(lines):
+            PROBLEMS.append(f"{name}:{start + 1}: a code fence is never closed")
+        i += 1
+        block = Block(name, start + 1, fence["lang"].lower(), "\n".join(body) + "\n")
+        before = _MARKER.match(lines[start - 1]) if start else None
+        if before:
+            block.marker, block.reason = before["kind"], before["reason"]
+            if block.marker not in MARKERS:
+                PROBLEMS.append(f"{block.id}: unknown docs-test marker {block.marker!r}; known: {sorted(MARKERS)}")
+            elif block.marker == "skip" and not block.reason:
+                PROBLEMS.append(f"{block.id}: a skip needs a reason: <!-- docs-test: skip: REASON -->")
+            elif block.marker == "continues" and (block.lang != "python" or previous_python is None):
+                PROBLEMS.append(f"{block.id}: 'continues' needs a python block after another python block")
+        if block.lang == "python":
+            block.previous = previous_python
+            previous_python = block
+        blocks.append(block)
+    return blocks
+
+
+BLOCKS = [block for doc in DOCS for block in _parse(doc)]
+PYTHON = [b for b in BLOCKS if b.lang == "python"]
+
+
+def _param(block: Block):
+    marks = [pytest.mark.slow] if _SLOW.search(block.program()) else []
+    return pytest.param(block, id=block.id, marks=marks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference and the links
 
 
 def _keys(tree: dict, prefix: str = "") -> list[str]:
@@ -25,9 +150,142 @@ def test_every_config_key_is_in_the_reference():
     assert len(_keys(defaults)) > 20
 
 
-def test_docs_link_to_files_that_exist():
-    import re
+def _render(value) -> str:
+    """A default as the reference writes it (YAML's spelling)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_render, value)) + "]"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
 
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+
+def test_the_reference_gives_the_real_defaults():
+    defaults = yaml.safe_load((ROOT / "daskllm" / "daskllm.yaml").read_text())
+    flat = {}
+    for key in _keys(defaults):
+        node = defaults
+        for part in key.split("."):
+            node = node[part]
+        flat[key] = node
+    rows = re.findall(r"^\| `(daskllm\.[\w.-]+)` \| `([^`]*)` \|", (ROOT / "docs" / "configuration.md").read_text(),
+                      re.MULTILINE)
+    assert len(rows) >= len(flat) - 1
+    wrong = {key: (shown, _render(flat[key])) for key, shown in rows if key in flat and shown != _render(flat[key])}
+    assert not wrong, f"documented default != daskllm.yaml: {wrong}"
+
+
+def test_docs_link_to_files_that_exist():
+    for doc in DOCS:
         for target in re.findall(r"\]\(([^)#:]+\.md)\)", doc.read_text()):
             assert (doc.parent / target).is_file(), f"{doc.name} links to missing {target}"
+
+
+def _config_in_child(env_vars: dict, keys: list[str]) -> list:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_DASKLLM__")}
+    env.update(env_vars)
+    code = ("import json, dask.config, daskllm\n"
+            f"print(json.dumps([dask.config.get('daskllm.' + k) for k in {keys!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_environment_variables_set_daskllm_config_as_documented():
+    """configuration.md: ``DASK_DASKLLM__<KEY>__<KEY>`` (Dask's convention), read at import."""
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    assert "DASK_DASKLLM__MODEL=tiny" in reference
+    assert "DASK_DASKLLM__ENGINE__KV_CACHE_TOKENS" in reference
+    assert not re.search(r"(?<![A-Z_])DASKLLM__\w+=", reference), "DASKLLM__X=... does nothing: Dask reads DASK_*"
+    got = _config_in_child({"DASK_DASKLLM__MODEL": "tiny", "DASK_DASKLLM__ENGINE__KV_CACHE_TOKENS": "8192",
+                            "DASK_DASKLLM__REWRITE__GRANULARITY": "query"},
+                           ["model", "engine.kv-cache-tokens", "rewrite.granularity", "rewrite.passes"])
+    assert got == ["tiny", 8192, "query", ["cse", "cache", "prune", "prefix", "pipeline", "stage"]]
+    # Without them: the defaults (the model users get is smollm2).
+    assert _config_in_child({}, ["model", "engine.kv-cache-tokens"]) == ["smollm2", 32768]
+
+
+# ---------------------------------------------------------------------------------------------
+# Python blocks
+
+
+def test_markers_are_well_formed():
+    assert not PROBLEMS, "\n".join(PROBLEMS)
+    assert len(PYTHON) > 20
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in PYTHON])
+def test_python_block_parses(block: Block):
+    compile(block.program(), block.id, "exec")
+
+
+def _run(program: str, cwd: pathlib.Path, env: dict, timeout: float) -> tuple[int | None, str, str]:
+    """Run ``program`` as a script; on timeout kill its whole process group (cluster workers too)."""
+    script = cwd / "example.py"
+    script.write_text(program)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def _tail(text: str, n: int = 6000) -> str:
+    return text if len(text) <= n else f"[... {len(text) - n} characters ...]\n{text[-n:]}"
+
+
+@pytest.mark.timeout(BLOCK_TIMEOUT + 60)
+@pytest.mark.parametrize("block", [_param(b) for b in PYTHON])
+def test_python_block_runs(block: Block, daskllm_cache, smollm2_model_dir, tmp_path):
+    reason = block.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k != "DASK_DASKLLM__MODEL"}
+    env["DASKLLM_CACHE_DIR"] = daskllm_cache
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    code, out, err = _run(block.program(), tmp_path, env, BLOCK_TIMEOUT)
+    status = f"did not finish in {BLOCK_TIMEOUT} s" if code is None else f"exited {code}"
+    assert code == 0, f"{block.id} {status}\n--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shell blocks: the daskllm commands they show exist, with the options they use
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for block in BLOCKS:
+        if block.lang not in ("bash", "console", "sh", "shell"):
+            continue
+        text = re.sub(r"\\\n\s*", " ", block.code)
+        for offset, line in enumerate(text.splitlines()):
+            line = re.sub(r"^\s*\$\s+", "", line).split(" #")[0].strip()
+            if not line or line.startswith("#"):
+                continue
+            words = shlex.split(line)
+            while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):  # VAR=value before the command
+                words = words[1:]
+            if words and pathlib.PurePath(words[0]).name == "daskllm":
+                found.append((f"{block.id}+{offset + 1}", words[1:]))
+    return found
+
+
+COMMANDS = _commands()
+
+
+def test_docs_show_daskllm_commands():
+    assert len(COMMANDS) >= 4
+
+
+@pytest.mark.parametrize(("where", "args"), [pytest.param(w, a, id=f"{w} daskllm {' '.join(a)}") for w, a in COMMANDS])
+def test_daskllm_command_exists(where, args, daskllm_cache):
+    daskllm = pathlib.Path(sys.executable).with_name("daskllm")
+    command = [str(daskllm)] if daskllm.exists() else [sys.executable, "-m", "daskllm.cli"]
+    done = subprocess.run([*command, *args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{where}: daskllm {' '.join(args)} --help failed:\n{done.stdout}\n{done.stderr}"
+    options = [a.split("=")[0] for a in args if a.startswith("-")]
+    missing = [o for o in options if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", done.stdout)]
+    assert not missing, f"{where}: options {missing} are not in `daskllm ... --help`:\n{done.stdout}"
