@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 from collections import Counter, defaultdict, deque
+from typing import NamedTuple
 
 from distributed import SchedulerPlugin
 
@@ -45,6 +46,16 @@ EVENT_TOPIC = "daskllm-placement"
 
 class NoWorkerForModel(RuntimeError):
     pass
+
+
+class Placed(NamedTuple):
+    """A task this plugin placed and that has not finished."""
+
+    worker: str
+    tokens: int  # the work it adds to the worker's queue
+    model: str
+    prefix: list[str]
+    op: str  # its annotation's op: a decode follows its dependency whose op is prefill
 
 
 def _raise(message: str):
@@ -67,7 +78,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.reported: dict[str, dict[str, set[str]]] = defaultdict(dict)  # worker -> model -> hashes
         self.inflight: dict[str, dict[str, Counter[str]]] = defaultdict(lambda: defaultdict(Counter))
         self.queued: Counter[str] = Counter()  # worker -> tokens placed there and not finished
-        self.placed: dict = {}  # key -> (worker, tokens, model, prefix)
+        self.placed: dict[object, Placed] = {}  # key -> where it went
         self.advertised: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))  # worker->kind->models
         self.decisions: Counter[str] = Counter()  # why tasks went where they went (for the dashboard)
         self.recent: deque = deque(maxlen=1000)  # the last decisions in detail
@@ -228,9 +239,7 @@ class PlacementPlugin(SchedulerPlugin):
             tokens = max(calls, tokens - calls * self._cached_tokens(worker, model, prefix))
         ts.worker_restrictions = {worker}
         ts.loose_restrictions = False  # hard: stealing must not move it away; remove_worker re-places
-        self.placed[key] = (worker, tokens, model, prefix)
-        self.queued[worker] += tokens
-        self.inflight[worker][model].update(prefix)
+        self._record(key, Placed(worker, tokens, model, prefix, ann["op"]))
         self.decisions[reason] += 1
         self.recent.append({"key": str(key), "op": ann["op"], "worker": worker, "reason": reason,
                             "cached": {w: self._cached_tokens(w, model, prefix) for w in candidates},
@@ -257,8 +266,8 @@ class PlacementPlugin(SchedulerPlugin):
         # the whole prefix: elsewhere that prefill would be wasted, whatever a (possibly stale)
         # report says.
         saved = {w: calls * cached[w] for w in candidates}
-        prefill_workers = {self.placed[d.key][0] for d in ts.dependencies if d.key in self.placed
-                           and d.key.startswith("prefill-")}
+        prefill_workers = {self.placed[d.key].worker for d in ts.dependencies
+                           if d.key in self.placed and self.placed[d.key].op == "prefill"}
         whole = calls * len(prefix) * self.block_size
         for w in prefill_workers & set(candidates):
             saved[w] = max(saved[w], whole) + whole  # the prefix it will hold, and the prefill not wasted
@@ -303,9 +312,14 @@ class PlacementPlugin(SchedulerPlugin):
 
     # --- bookkeeping --------------------------------------------------------------------------
 
+    def _record(self, key, placed: Placed) -> None:
+        self.placed[key] = placed
+        self.queued[placed.worker] += placed.tokens
+        self.inflight[placed.worker][placed.model].update(placed.prefix)
+
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         if finish in ("memory", "erred", "forgotten") and key in self.placed:
-            worker, tokens, model, prefix = self.placed.pop(key)
+            worker, tokens, model, prefix, _ = self.placed.pop(key)
             self.queued[worker] -= tokens
             if self.queued[worker] <= 0:
                 del self.queued[worker]
@@ -316,7 +330,12 @@ class PlacementPlugin(SchedulerPlugin):
                     del coming[h]
 
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
-        """Re-place the tasks that were bound to a worker that left: no task is stranded."""
+        """Take the worker that left out of every task's restrictions: no task is stranded.
+
+        A task restricted to it alone, in any state (a released task may run again later),
+        is re-placed on the least loaded worker holding its model, or left to plain Dask
+        where none does; a task restricted to several workers keeps the others.
+        """
         try:
             self.reported.pop(worker, None)
             self.inflight.pop(worker, None)
@@ -324,16 +343,23 @@ class PlacementPlugin(SchedulerPlugin):
             self.queued.pop(worker, None)
             moved, runnable = 0, {}
             for ts in list(scheduler.tasks.values()):
-                if ts.worker_restrictions == {worker} and ts.state in ("waiting", "no-worker", "released"):
-                    self.placed.pop(ts.key, None)
-                    others = [w for w in scheduler.workers if w != worker]
-                    ts.worker_restrictions = None
-                    ts.loose_restrictions = False
-                    if others:
-                        ts.worker_restrictions = {min(others, key=lambda w: (self.queued[w], w))}
-                    moved += 1
-                    if ts.state == "no-worker":
-                        runnable[ts.key] = "processing"
+                if not ts.worker_restrictions or worker not in ts.worker_restrictions:
+                    continue
+                remaining = ts.worker_restrictions - {worker}
+                placed = self.placed.get(ts.key)
+                if placed is not None and placed.worker == worker:
+                    del self.placed[ts.key]  # its load there went with the worker
+                else:
+                    placed = None
+                if not remaining:
+                    target = self._replacement(scheduler, ts, worker)
+                    remaining = {target} if target else set()
+                    if target and placed is not None:  # its work is queued there now
+                        self._record(ts.key, placed._replace(worker=target))
+                ts.worker_restrictions = remaining or None
+                moved += 1
+                if ts.state == "no-worker":
+                    runnable[ts.key] = "processing"  # stays no-worker if nothing can run it yet
             if runnable:
                 scheduler.transitions(runnable, stimulus_id=kwargs.get("stimulus_id", "daskllm-replace"))
             if moved:
@@ -341,6 +367,14 @@ class PlacementPlugin(SchedulerPlugin):
         except Exception as exc:  # noqa: BLE001
             logger.exception("daskllm placement: remove_worker failed")
             scheduler.log_event(EVENT_TOPIC, {"action": "error", "error": repr(exc)})
+
+    def _replacement(self, scheduler, ts, gone: str) -> str | None:
+        """The least loaded worker holding the task's model; None for a task naming none."""
+        ann = (ts.annotations or {}).get("daskllm")
+        if not (_valid(ann) and ann["op"] in KIND_OF_OP):
+            return None
+        holders = [w for w in self._holders(scheduler, KIND_OF_OP[ann["op"]], ann["model"]) if w != gone]
+        return min(holders, key=lambda w: (self.queued[w], w), default=None)
 
 
 def _valid(ann) -> bool:

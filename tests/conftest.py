@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from collections.abc import Iterator
 
 import dask.config
 import pytest
+from distributed import Client
+
+from daskllm import LocalLLMCluster
+
+# A test using the llm_cluster fixture (directly or through another fixture) starts worker
+# processes and loads engines: it is marked with this, and `-m "not slow"` leaves it out.
+CLUSTER_MARK = "slow"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if "llm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(CLUSTER_MARK)
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +81,23 @@ def stdlib_corpus(daskllm_cache) -> pathlib.Path:
     from daskllm.corpus import corpus_path
 
     return corpus_path()
+
+
+@contextlib.contextmanager
+def _llm_cluster(models=("tiny",), *, n_workers: int = 2, threads_per_worker: int = 4, timeout: float = 120,
+                 set_as_default: bool = True, **options) -> Iterator:
+    """A LocalLLMCluster and a Client on it; the workers must be up within ``timeout`` seconds."""
+    options.setdefault("dashboard_address", ":0")
+    with LocalLLMCluster(models=list(models), n_workers=n_workers, threads_per_worker=threads_per_worker,
+                         **options) as cluster, \
+            Client(cluster, set_as_default=set_as_default, timeout=timeout) as client:
+        client.wait_for_workers(n_workers, timeout=timeout)
+        yield client
+
+
+@pytest.fixture(scope="session")
+def llm_cluster(daskllm_cache):
+    """Starts multi-process clusters: ``with llm_cluster(models=["tiny"], n_workers=2, ...) as
+    client:`` (the other keywords go to LocalLLMCluster; ``client.cluster`` is the cluster).
+    Tests using it are marked slow."""
+    return _llm_cluster

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-import time
 
 import dask.config
 import pandas as pd
@@ -114,10 +113,8 @@ def test_second_call_is_cached(stdlib_corpus, monkeypatch):
         raise AssertionError("the corpus was rebuilt although it is cached")
 
     monkeypatch.setattr(corpus, "_build_in_subprocess", no_rebuild)
-    start = time.perf_counter()
     first = stdlib_docs()
     second = stdlib_docs()
-    assert time.perf_counter() - start < 5
     assert corpus.corpus_path() == stdlib_corpus
     assert stdlib_corpus.stat().st_mtime_ns == mtime
     pd.testing.assert_frame_equal(first, second)

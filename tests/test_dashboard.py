@@ -4,32 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 
 import pytest
-from distributed import Client
 from distributed.utils_test import poll_for
 
 import daskllm
-from daskllm import LocalLLMCluster
 from daskllm.worker import gpu_metrics
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=4, dashboard_address="127.0.0.1:0") as c:
-        yield c
+def client(llm_cluster, tiny_model_dir):
+    with llm_cluster(n_workers=2, threads_per_worker=4, dashboard_address="127.0.0.1:0") as client:
+        # A worker reports its engines from the first heartbeat after they have loaded.
+        workers = set(client.scheduler_info()["workers"])
+        poll_for(lambda: set(metrics(client.cluster)["workers"]) == workers, timeout=60)
+        yield client
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster) as client:
-        # A worker reports its engines from the first heartbeat after they have loaded.
-        workers = set(client.scheduler_info()["workers"])
-        poll_for(lambda: set(metrics(cluster)["workers"]) == workers, timeout=60)
-        yield client
+def cluster(client):
+    return client.cluster
 
 
 def base(cluster) -> str:
@@ -125,7 +121,6 @@ def test_the_page_updates_live(client, cluster):
     assert page.workers.data["worker"] and len(page.models.data["models"]) == 2
     assert "tiny" in page.models.data["models"][0]
     assert sum(page.decisions.data["tasks"]) > 0
-    time.sleep(0.1)
 
 
 # --- in a real browser ---------------------------------------------------------------------------

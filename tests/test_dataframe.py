@@ -8,10 +8,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
-from distributed import Client
 
 import daskllm
-from daskllm import LocalLLMCluster
 from daskllm.dataframe import Budget, BudgetExceeded, RowError, _extract_fields, _yes_no
 
 from helpers import cold_start
@@ -36,9 +34,8 @@ def naive(question: str, max_tokens: int = 6, chat: bool = True, **kw) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir):
-    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=4, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
+def client(llm_cluster, tiny_model_dir):
+    with llm_cluster(n_workers=2, threads_per_worker=4) as client:
         yield client
 
 

@@ -79,8 +79,9 @@ def _wait_idle(engine, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
         s = engine.stats()
-        if (s.running == 0 and s.waiting == 0) or time.monotonic() > deadline:
+        if s.running == 0 and s.waiting == 0:
             return s
+        assert time.monotonic() < deadline, f"engine still busy after {timeout} s: {s}"
         time.sleep(0.01)
 
 

@@ -120,11 +120,8 @@ def test_shared_prefix_is_the_longest_common_token_prefix(tokenizer, questions):
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_model_dir):
-    from distributed import Client
-
-    with daskllm.LocalLLMCluster(models=[MODEL], n_workers=2, threads_per_worker=4, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
+def client(llm_cluster, smollm2_model_dir):
+    with llm_cluster(models=[MODEL], n_workers=2, threads_per_worker=4) as client:
         yield client
 
 

@@ -7,10 +7,9 @@ import shutil
 import dask
 import numpy as np
 import pytest
-from distributed import Client, get_task_stream
+from distributed import get_task_stream
 
 import daskllm
-from daskllm.cluster import LocalLLMCluster
 from daskllm.graph.lower import lowered, plan
 from daskllm.rewrite.cache import RESULTS
 from daskllm.retrieval import ShardedIndex
@@ -28,9 +27,8 @@ NAIVE = {"passes": [], "granularity": "query", "result_cache": False}
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, stdlib_corpus):
-    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=6, dashboard_address=":0",
-                         engine_options={"kv_cache_tokens": 8192}) as cluster, Client(cluster) as client:
+def client(llm_cluster, tiny_model_dir, stdlib_corpus):
+    with llm_cluster(n_workers=2, threads_per_worker=6, engine_options={"kv_cache_tokens": 8192}) as client:
         yield client
 
 
@@ -107,11 +105,10 @@ def test_cse_merges_exactly_identical_deterministic_calls():
 
 
 @pytest.fixture(scope="module")
-def fresh_client(tiny_model_dir):
+def fresh_client(llm_cluster, tiny_model_dir):
     """A cluster of its own: the measurement starts from engines no other test has used."""
-    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=6, dashboard_address=":0",
-                         embedders=(), rerankers=(), engine_options={"kv_cache_tokens": 8192}) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    with llm_cluster(n_workers=2, threads_per_worker=6, embedders=(), rerankers=(),
+                     engine_options={"kv_cache_tokens": 8192}, set_as_default=False) as client:
         yield client
 
 

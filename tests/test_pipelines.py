@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-from distributed import Client
 
 import daskllm
 from pipelines import TWO_MODELS, registry
@@ -24,9 +23,9 @@ PIPELINES = registry()
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir):
-    with daskllm.LocalLLMCluster(models=["tiny", "small"], n_workers=2, threads_per_worker=4, dashboard_address=":0",
-                                 engine_options={"kv_cache_tokens": 8192}) as cluster, Client(cluster) as client:
+def client(llm_cluster, tiny_model_dir):
+    with llm_cluster(models=["tiny", "small"], n_workers=2, threads_per_worker=4,
+                     engine_options={"kv_cache_tokens": 8192}) as client:
         yield client
 
 

@@ -6,9 +6,8 @@ import threading
 
 import numpy as np
 import pytest
-from distributed import Client, get_task_stream
+from distributed import get_task_stream
 
-from daskllm.cluster import LocalLLMCluster
 from daskllm.corpus import stdlib_docs
 from daskllm.engines import RequestError
 from daskllm.engines.embedder import EmbedEngine
@@ -162,9 +161,8 @@ def test_merge_hits_equals_one_flat_index():
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, stdlib_corpus):
-    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=4, dashboard_address=":0",
-                         engine_options={"kv_cache_tokens": 1024}) as cluster, Client(cluster) as client:
+def client(llm_cluster, tiny_model_dir, stdlib_corpus):
+    with llm_cluster(n_workers=2, threads_per_worker=4, engine_options={"kv_cache_tokens": 1024}) as client:
         yield client
 
 

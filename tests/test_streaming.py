@@ -12,11 +12,9 @@ import time
 
 import dask
 import pytest
-from distributed import Client
 from distributed.utils_test import poll_for
 
 import daskllm
-from daskllm import LocalLLMCluster
 from daskllm.streaming import ItemEmitter, ItemError, JSONArray, splitter, stream_queues
 
 from helpers import cold_start
@@ -111,14 +109,8 @@ def test_builders_given_a_stream_work_item_by_item(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=4, dashboard_address=":0") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with Client(cluster) as client:
+def client(llm_cluster, tiny_model_dir):
+    with llm_cluster(n_workers=2, threads_per_worker=4) as client:
         yield client
 
 
@@ -250,8 +242,11 @@ def test_a_killed_worker_mid_stream_gives_the_unstreamed_result(client):
                 return worker
         return None
 
+    def items_out(dask_scheduler, producers):  # the tasks of items the producer has emitted
+        return [k for k in dask_scheduler.tasks if str(k).startswith("decode-") and k not in producers]
+
     poll_for(lambda: producer_worker() is not None, timeout=30)
-    time.sleep(0.8)  # let some items out first
+    poll_for(lambda: client.run_on_scheduler(items_out, producers=producers), timeout=30)  # some items out first
     victim = producer_worker()
     pid = client.run(os.getpid, workers=[victim])[victim]
     os.kill(pid, signal.SIGKILL)  # the nanny starts a fresh worker

@@ -35,9 +35,8 @@ def expected(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir):
-    with LocalLLMCluster(models=["tiny"], n_workers=2, threads_per_worker=8, dashboard_address=":0",
-                         engine_options={"kv_cache_tokens": 4096}) as cluster, Client(cluster) as client:
+def client(llm_cluster, tiny_model_dir):
+    with llm_cluster(n_workers=2, threads_per_worker=8, engine_options={"kv_cache_tokens": 4096}) as client:
         yield client
 
 
@@ -113,6 +112,7 @@ def restore_dask_config():
     dask.config.set({"distributed.worker.daemon": saved})
 
 
+@pytest.mark.slow  # worker processes
 def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypatch, restore_dask_config):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert discover_gpus() == ["0", "1"]
@@ -128,6 +128,7 @@ def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypa
             cluster.scale(3)
 
 
+@pytest.mark.slow  # worker processes
 def test_tensor_parallel_models_get_a_group_of_gpus_per_worker(tiny_model_dir, restore_dask_config):
     with LocalLLMCluster(models=["tiny"], embedders=(), rerankers=(), gpus=["0", "1", "2", "3"], gpus_per_worker=2,
                          dashboard_address=":0", threads_per_worker=1,
