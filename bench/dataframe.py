@@ -45,10 +45,10 @@ TABLES = {"stdlib": "Explain {qualname} in one line: {first_sentence}",
 def _text(template: str, row: dict) -> str:
     """The prompt a plain Dask user sends: the template filled as daskllm fills it (the engine
     tokenizes the whole string, as daskllm does)."""
-    from daskllm.graph.prompt import Text, _parse_template, render_value
+    from daskllm.prompts import Text, parse_template, render_value
 
     return "".join(seg.text if isinstance(seg, Text) else render_value(row[seg.name])
-                   for seg in _parse_template(template))
+                   for seg in parse_template(template))
 
 
 def _rowwise(part, template, model, max_tokens):
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     import daskllm
     from daskllm.datasets import load
-    from daskllm.rewrite.cache import RESULTS
+    from daskllm.worker.results import RESULTS
     from daskllm.worker import reset_prefix_caches
 
     docs = load("stdlib-docs", args.rows)[["qualname", "module", "first_sentence"]].reset_index(drop=True)

@@ -53,7 +53,7 @@ def workload(args) -> list:
 
 
 def run(client, nodes, settings: dict) -> dict:
-    from daskllm.worker import cold_start
+    from daskllm.runtime.control import cold_start
     from harness import engine_totals
 
     cold_start(client)

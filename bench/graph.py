@@ -11,7 +11,7 @@ What it measures:
    ``--sizes`` queries it times, separately: building the nodes (``daskllm.generate`` /
    ``daskllm.prompt``), planning (``daskllm.graph.lower.plan``: the IR graph and every rewrite
    pass, each timed on its own) and lowering (``_Lowering(graph).run()``), which together are
-   exactly what ``daskllm.graph.lower.lowered([node])`` does. Nothing is executed: only the
+   exactly what ``daskllm.graph.lower.plan([node])`` does. Nothing is executed: only the
    tokenizer is loaded. Before each repetition the lowering memo (``_lowered_cache``), the
    result cache and the client-side tokenizer memo (``PromptTokenizer.encode``) are cleared,
    so every repetition plans from cold, as a first ``compute`` would. Once per size the same
@@ -54,10 +54,10 @@ from machine import log
 from machine import machine_info as shared_machine_info
 
 import daskllm
-from daskllm.graph import lower
-from daskllm.graph.prompt import PromptTokenizer, tokenizer_for
-from daskllm.rewrite import REGISTRY, register_pass
-from daskllm.rewrite.cache import RESULTS
+from daskllm.runtime import submit as lower
+from daskllm.prompts import PromptTokenizer, tokenizer_for
+from daskllm.plan.passes import REGISTRY, register_pass
+from daskllm.worker.results import RESULTS
 
 DEFAULT_PASSES = list(dask.config.get("daskllm.rewrite.passes"))
 
@@ -363,7 +363,7 @@ def bench_end_to_end(args, log) -> dict:
     from daskllm.cluster import LocalLLMCluster
 
     nodes, workload = shared_prefix_workload(args)
-    bound = lower.lowered(nodes).report["prefill_lower_bound"]
+    bound = lower.plan(nodes).report["prefill_lower_bound"]
     all_modes = modes(args)
     log(f"starting a {args.workers}-worker cluster with {args.model} ...")
     start = time.perf_counter()

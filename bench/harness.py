@@ -128,7 +128,7 @@ def engine_totals(client) -> dict:
 def measure(client, system: str, fn, inputs, config: dict) -> dict:
     import daskllm
     from daskllm.placement import set_policy
-    from daskllm.worker import cold_start
+    from daskllm.runtime.control import cold_start
     from distributed import get_task_stream
 
     cold_start(client)

@@ -41,10 +41,10 @@ def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def run_stream(client, fn, inputs, config: dict, system: str, times: list[float]) -> dict:
-    from daskllm.graph.lower import overrides
-    from daskllm.graph.nodes import Joint
+    from daskllm.runtime.submit import overrides
+    from daskllm.runtime.submit import plan_and_submit
     from daskllm.placement import set_policy
-    from daskllm.worker import cold_start
+    from daskllm.runtime.control import cold_start
     from pipelines.ops import NAIVE, plain
 
     cold_start(client)
@@ -66,13 +66,12 @@ def run_stream(client, fn, inputs, config: dict, system: str, times: list[float]
     for i, at in enumerate(times):
         time.sleep(max(0.0, at - (time.perf_counter() - start)))
         with overrides(dict(settings)):
-            joint = Joint([fn(inputs.subset(i, i + 1), **config)])
-        future = client.compute(joint)
+            [future] = plan_and_submit([fn(inputs.subset(i, i + 1), **config)], client).futures
         future.add_done_callback(record(i))
         futures.append(future)
     finished.wait(timeout=1800)
     for i, f in enumerate(futures):
-        outputs[i] = plain(f.result()[0])
+        outputs[i] = plain(f.result())
     latencies = [done[i] - times[i] for i in range(len(times))]
     return {"median": statistics.median(latencies), "p90": sorted(latencies)[int(0.9 * (len(latencies) - 1))],
             "latencies": latencies, "outputs": [outputs[i] for i in range(len(times))]}

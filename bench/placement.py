@@ -130,7 +130,7 @@ def _reported(dask_scheduler):
 
 def cold_start(client, timeout: float = 30.0) -> float:
     """Empty result and prefix caches; wait until the scheduler's view says so too. Returns the wait."""
-    from daskllm.rewrite.cache import RESULTS
+    from daskllm.worker.results import RESULTS
     from daskllm.worker import reset_prefix_caches
 
     RESULTS.clear()
@@ -149,7 +149,8 @@ def decisions(client) -> dict:
 
 def annotations(nodes) -> dict:
     """decode task key -> its placement annotation, for the plan the benchmark computes."""
-    from daskllm.graph.lower import lowered, overrides
+    from daskllm.runtime.submit import overrides
+    from daskllm.runtime.submit import plan as lowered
 
     with overrides({"passes": ["cse"], "granularity": "query"}):
         low = lowered(nodes)

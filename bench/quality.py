@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     from daskllm.cluster import LocalLLMCluster
     from daskllm.demo import answer_graph
     from daskllm.placement import set_policy
-    from daskllm.worker import cold_start
+    from daskllm.runtime.control import cold_start
     from distributed import Client
 
     asked, modules, sources, sets = questions(args)

@@ -17,7 +17,7 @@ What it measures:
    ``LocalLLMCluster`` versus one in-process flat ``VectorIndex``: are the top-10 lists
    (ids, scores, texts) identical for every query?
 3. **Embedding throughput** at batch sizes 1, 32, 128: texts/s through Dask tasks
-   (``client.submit(daskllm.retrieval.embed, model, batch, pure=False)`` on a 1-worker
+   (``client.submit(daskllm.worker.embed, model, batch, pure=False)`` on a 1-worker
    cluster, all batches in flight) versus calls to an in-process ``EmbedEngine.embed`` on the
    same batches from as many threads as the worker has task threads (the same concurrency,
    so the engine can batch the same way); the ratio is the cost of going through Dask.
@@ -237,7 +237,8 @@ def _worker_threads(client) -> dict:
 
 def bench_sharded(args, client, corpus_vectors, ids, texts, query_vectors, queries, exact_hits, log) -> dict:
     from daskllm.index import VectorIndex
-    from daskllm.retrieval import ShardedIndex, embed
+    from daskllm.retrieval import ShardedIndex
+    from daskllm.worker import embed
 
     dim = corpus_vectors.shape[1]
     out = {"workers": _worker_threads(client)}
@@ -360,7 +361,7 @@ EMBED_LABELS = {"dask": "Dask", "dask_no_trim": "no trim"}
 def bench_embed(args, clients: dict, engine, texts, log) -> dict:
     """``clients``: mode -> Client of a 1-worker cluster ("dask": Dask's default worker
     environment; "dask_no_trim": the same without MALLOC_TRIM_THRESHOLD_)."""
-    from daskllm.retrieval import embed
+    from daskllm.worker import embed
     from daskllm.worker import engine_stats
 
     def worker_stats(client):

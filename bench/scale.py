@@ -54,9 +54,9 @@ def distinct_questions(n: int) -> list[str]:
 
 
 def plan_once(build) -> dict:
-    from daskllm.graph import lower
-    from daskllm.graph.prompt import PromptTokenizer
-    from daskllm.rewrite.cache import RESULTS
+    from daskllm.runtime import submit as lower
+    from daskllm.prompts import PromptTokenizer
+    from daskllm.worker.results import RESULTS
 
     lower._lowered_cache.clear()
     RESULTS.clear()
@@ -65,7 +65,7 @@ def plan_once(build) -> dict:
     t0 = time.perf_counter()
     nodes = build()
     t1 = time.perf_counter()
-    planned = lower.lowered([nodes])
+    planned = lower.plan([nodes])
     t2 = time.perf_counter()
     return {"build_s": t1 - t0, "plan_and_lower_s": t2 - t1, "tasks": dict(planned.report["tasks"]),
             "calls": sum(planned.report["requested"].get(op, 0) for op in ("generate",))}
@@ -95,7 +95,7 @@ def bench_throughput(n: int, workers: int, max_tokens: int) -> dict:
 
     import daskllm
     from daskllm.placement import set_policy
-    from daskllm.worker import cold_start
+    from daskllm.runtime.control import cold_start
     from pipelines.data import Inputs
     from pipelines.halo import w2
     from pipelines.ops import NAIVE

@@ -253,8 +253,9 @@ def collect_calls(client, fn, inputs, config: dict) -> list[Call]:
     import networkx as nx
 
     import daskllm
-    from daskllm.graph.lower import lowered, overrides
-    from daskllm.metering import _records
+    from daskllm.runtime.submit import overrides
+    from daskllm.runtime.submit import plan as lowered
+    from daskllm.runtime.metering import _records
     from pipelines.ops import NAIVE
 
     nodes = fn(inputs, **config)

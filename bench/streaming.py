@@ -93,7 +93,7 @@ PIPELINES = {"advanced_rag": advanced_rag, "factool": factool}
 def run_once(client, build, questions, index, model, items, passes) -> dict:
     from daskllm.worker import reset_prefix_caches
 
-    from daskllm.rewrite.cache import RESULTS
+    from daskllm.worker.results import RESULTS
 
     RESULTS.clear()
     client.run(reset_prefix_caches)
@@ -103,9 +103,9 @@ def run_once(client, build, questions, index, model, items, passes) -> dict:
     from dask.config import set as config_set
 
     with config_set({"daskllm.rewrite.passes": passes, "daskllm.rewrite.result-cache": False}):
-        from daskllm.graph.nodes import Joint
+        from daskllm.runtime.submit import plan_and_submit
 
-        futures = {client.compute(Joint([n])): i for i, n in enumerate(nodes)}
+        futures = {plan_and_submit([n], client).futures[0]: i for i, n in enumerate(nodes)}
     from distributed import as_completed
 
     for future in as_completed(futures):
@@ -122,8 +122,8 @@ def run_once(client, build, questions, index, model, items, passes) -> dict:
 
 def _lead(client, node):
     """The first stream's lead time in this query's pipeline, or None."""
-    from daskllm.graph.lower import lowered
-    from daskllm.metering import _records, _with_children
+    from daskllm.runtime.submit import plan as lowered
+    from daskllm.runtime.metering import _records, _with_children
 
     keys = {k for layer in lowered([node]).graph.layers.values() for k in layer}
     records = _with_children(_records(keys))

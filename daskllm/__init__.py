@@ -30,7 +30,7 @@ _LAZY = {
     "tokens": "daskllm.api",
     "compute": "daskllm.api",
     "explain": "daskllm.api",
-    "usage": "daskllm.metering",
+    "usage": "daskllm.runtime.metering",
     "ShardedIndex": "daskllm.retrieval",
     "LocalLLMCluster": "daskllm.cluster",
     "EngineHost": "daskllm.worker",

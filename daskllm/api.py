@@ -14,15 +14,29 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import dask.base
 import numpy as np
 from dask.delayed import Delayed
 
 from daskllm import config
 from daskllm.engines import SamplingParams
-from daskllm.graph.nodes import Node
-from daskllm.graph.prompt import Prompt, Tokens, as_prompt, chat, prompt, tokenizer_fingerprint, tokens
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
-from daskllm.streaming import ANCESTRY, PmapSpec, Stage, delimited, splitter, words  # noqa: F401 (re-exported)
+from daskllm.ops import is_stream
+from daskllm.ops.collections import COLLECT, GATHER
+from daskllm.ops.embed import EMBED
+from daskllm.ops.generate import GENERATE
+from daskllm.ops.pmap import PMAP
+from daskllm.ops.prefill import PREFILL
+from daskllm.ops.rerank import RERANK
+from daskllm.ops.search import SEARCH, IndexRef
+from daskllm.ops.values import CONST, DELAYED
+from daskllm.plan.ir import Node
+from daskllm.prompts import Prompt, Tokens, as_prompt, chat, prompt, tokenizer_fingerprint, tokens
+from daskllm.retrieval import ShardedIndex
+from daskllm.runtime import submit
+from daskllm.runtime.collection import LazyNode, compute
+from daskllm.streaming.split import delimited, splitter, words
+from daskllm.streaming.stages import ANCESTRY, PmapSpec, Stage
 
 
 class batch(list):  # noqa: N801 - reads as a marker: daskllm.batch([...])
@@ -30,19 +44,18 @@ class batch(list):  # noqa: N801 - reads as a marker: daskllm.batch([...])
 
 
 def _input(value, *, lists_are_batches: bool = True) -> Node:
-    from daskllm.retrieval import ShardedIndex
-
     if isinstance(value, Node):
         return value
     if isinstance(value, ShardedIndex):
-        return Node("const", value=value.detached())
+        value = value.detached()
+        return LazyNode(CONST.name, value=value, identity=value)
     if isinstance(value, Delayed):
-        return Node("delayed", value=value)
+        return LazyNode(DELAYED.name, value=value, identity=value.key)
     if isinstance(value, batch) or (lists_are_batches and isinstance(value, (list, tuple))):
         if not len(value):
             raise ValueError("a batch must not be empty")
-        return Node("const", value=tuple(value), width=len(value))
-    return Node("const", value=value)
+        return LazyNode(CONST.name, value=tuple(value), width=len(value), identity=tuple(value))
+    return LazyNode(CONST.name, value=value, identity=value)
 
 
 def _width(op: str, inputs: dict[str, Node]) -> int | None:
@@ -52,7 +65,8 @@ def _width(op: str, inputs: dict[str, Node]) -> int | None:
     return next(iter(widths.values()), None)
 
 
-def _model(model: str | None, kind: str = "llm") -> str:
+def default_model(model: str | None, kind: str = "llm") -> str:
+    """The model a builder uses: the one named, else the configured default of its kind."""
     if model is None:
         model = config.get("model") if kind == "llm" else DEFAULT_EMBEDDING_MODEL
     if not isinstance(model, str) or not model:
@@ -85,7 +99,7 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
     lifted = _lift_prompt("generate", p, dict(model=model, **options))
     if lifted is not None:
         return lifted
-    model = _model(model)
+    model = default_model(model)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               stop=stop, ignore_eos=ignore_eos, allowed_token_ids=tuple(allowed_token_ids))
     if cache and not sampling.deterministic:
@@ -96,7 +110,7 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
               "nonce": not sampling.deterministic}
     if split is not None:
         params["split"] = splitter(split)
-    return Node("generate", inputs=inputs, template=p.segments, chat=p.chat, width=_width("generate", inputs),
+    return LazyNode(GENERATE.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width("generate", inputs),
                 params=params, nonce=not sampling.deterministic)
 
 
@@ -106,38 +120,36 @@ def prefill(prefix, model: str | None = None) -> Node:
     lifted = _lift_prompt("prefill", p, dict(model=model))
     if lifted is not None:
         return lifted
-    model = _model(model)
+    model = default_model(model)
     inputs = _prompt_inputs("prefill", p, model)
-    return Node("prefill", inputs=inputs, template=p.segments, chat=p.chat, width=_width("prefill", inputs),
+    return LazyNode(PREFILL.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width("prefill", inputs),
                 params={"model": model})
 
 
 def embed(text_or_texts, model: str | None = None) -> Node:
     """Embedding vector(s) of text: one vector for a str, one per item for a list or batch."""
-    if _is_stream(text_or_texts):
+    if is_stream(text_or_texts):
         return _lift(embed, "text_or_texts", text_or_texts, {}, model=model)
-    model = _model(model, "embed")
+    model = default_model(model, "embed")
     inputs = {"text": _input(text_or_texts)}
-    return Node("embed", inputs=inputs, width=_width("embed", inputs), params={"model": model})
+    return LazyNode(EMBED.name, inputs=inputs, width=_width("embed", inputs), params={"model": model})
 
 
 def search(index, query_or_vector, k: int = 5) -> Node:
     """The ``k`` nearest documents (a list of Hits) of a query text or vector in a sharded index."""
-    from daskllm.retrieval import ShardedIndex
-
     if not isinstance(index, ShardedIndex):
         raise TypeError(f"search: index must be a ShardedIndex, got {type(index).__name__}")
     if not isinstance(k, int) or k <= 0:
         raise ValueError(f"search({index.name!r}): k must be a positive int, got {k!r}")
-    if _is_stream(query_or_vector):
+    if is_stream(query_or_vector):
         return _lift(search, "query_or_vector", query_or_vector, {}, index=index.detached(), k=k)
     if isinstance(query_or_vector, np.ndarray):
         vectors = query_or_vector.astype(np.float32)
         query = _input(batch(list(vectors)) if vectors.ndim == 2 else vectors)
     else:
         source = _input(query_or_vector)
-        query = source if source.op == "embed" else embed(source, model=index.embedder)
-    return Node("search", inputs={"query": query}, width=query.width,
+        query = source if source.op == EMBED.name else embed(source, model=index.embedder)
+    return LazyNode(SEARCH.name, inputs={"query": query}, width=query.width,
                 params={"index": IndexRef.of(index), "k": k})
 
 
@@ -146,7 +158,7 @@ def rerank(query, docs, k: int | None = None, model: str | None = None) -> Node:
 
     ``docs`` is one call's documents: a list of str, or a node producing them (e.g. a search).
     """
-    streams = [name for name, v in (("query", query), ("docs", docs)) if _is_stream(v)]
+    streams = [name for name, v in (("query", query), ("docs", docs)) if is_stream(v)]
     if len(streams) > 1:
         raise ValueError("rerank: query and docs are both streams; a call draws items from one (collect() the other)")
     if streams:
@@ -154,16 +166,16 @@ def rerank(query, docs, k: int | None = None, model: str | None = None) -> Node:
         other = "docs" if name == "query" else "query"
         return _lift(rerank, name, query if name == "query" else docs, {other: docs if name == "query" else query},
                      k=k, model=model)
-    model = _model(model, "embed")
+    model = default_model(model, "embed")
     inputs = {"query": _input(query), "docs": _input(docs, lists_are_batches=False)}
-    return Node("rerank", inputs=inputs, width=_width("rerank", inputs), params={"model": model, "k": k})
+    return LazyNode(RERANK.name, inputs=inputs, width=_width("rerank", inputs), params={"model": model, "k": k})
 
 
 def gather(node: Node) -> Node:
     """One value holding a whole batch (a list): for a call that needs every item at once."""
     if not isinstance(node, Node) or not node.batched:
         raise TypeError("gather() takes a batched node")
-    return Node("gather", inputs={"items": node})
+    return LazyNode(GATHER.name, inputs={"items": node})
 
 
 def pmap(stream, fn, *args, errors: str = "raise", sticky: bool = False) -> Node:
@@ -192,20 +204,16 @@ def _pmap(stream, stage: Stage, args, *, errors: str = "raise", sticky: bool = F
     source = _input(stream, lists_are_batches=False)
     inputs = {"stream": source, **{f"arg{j}": _input(a, lists_are_batches=False) for j, a in enumerate(args)}}
     spec = PmapSpec((stage,), errors, bool(sticky), ANCESTRY.get())
-    return Node("pmap", inputs=inputs, width=_width("pmap", inputs), value=spec,
+    return LazyNode(PMAP.name, inputs=inputs, width=_width("pmap", inputs), value=spec,
                 params={"stage": stage.fingerprint, "errors": errors, "sticky": bool(sticky)})
 
 
 def collect(stream) -> Node:
     """A stream's items (or a pmap's results) as one list, in item order: a plain value, so a
     builder given it sees the whole list (e.g. a prompt slot listing every item)."""
-    if not isinstance(stream, Node) or not stream.streaming:
+    if not is_stream(stream):
         raise TypeError("collect() takes a stream: a split generate or a pmap")
-    return Node("collect", inputs={"stream": stream}, width=stream.width)
-
-
-def _is_stream(value) -> bool:
-    return isinstance(value, Node) and value.streaming
+    return LazyNode(COLLECT.name, inputs={"stream": stream}, width=stream.width)
 
 
 @dataclass(frozen=True)
@@ -223,8 +231,6 @@ class _Call:
 
     @property
     def fingerprint(self) -> tuple:
-        import dask.base
-
         return (self.builder, self.item_arg, self.other_args, dask.base.tokenize(self.fixed))
 
 
@@ -235,15 +241,13 @@ def _lift(builder, item_arg: str, stream: Node, others: dict, **fixed) -> Node:
 
 
 def _with_slot(builder: str, segments, chat, slot: str, other_slots: tuple, options: tuple, item, *others):
-    from daskllm.graph.prompt import Prompt
-
     p = Prompt(segments, {slot: item, **dict(zip(other_slots, others))}, chat=chat)
     return globals()[builder](p, **dict(options))
 
 
 def _lift_prompt(builder: str, p: Prompt, options: dict) -> Node | None:
     """A prompt with a slot filled by a stream: one call per item (None if no slot is)."""
-    streams = [name for name, v in p.values.items() if _is_stream(v)]
+    streams = [name for name, v in p.values.items() if is_stream(v)]
     if not streams:
         return None
     if len(streams) > 1:
@@ -255,59 +259,15 @@ def _lift_prompt(builder: str, p: Prompt, options: dict) -> Node | None:
     return _pmap(p.values[slot], Stage(fn, len(others), lazy_ok=True), list(others.values()))
 
 
-class IndexRef:
-    """What a search task needs to know about a ShardedIndex: name and shard placement."""
-
-    __slots__ = ("name", "workers", "embedder", "fingerprint")
-
-    def __init__(self, name, workers, embedder, sizes, version):
-        self.name, self.workers, self.embedder = name, list(workers), embedder
-        self.fingerprint = (name, tuple(workers), tuple(sizes), version)
-
-    @classmethod
-    def of(cls, index) -> IndexRef:
-        return cls(index.name, index.workers, index.embedder, index.sizes, index.version)
-
-
-def compute(*nodes, passes=None, granularity=None, result_cache=None, **kwargs):
-    """``dask.compute`` with per-call rewrite settings."""
-    import dask
-
-    from daskllm.graph.lower import overrides, remember
-    from daskllm.graph.nodes import Joint
-    from daskllm.metering import note_lowering
-
-    settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
-                                  "result_cache": result_cache}.items() if v is not None}
-    with overrides({**settings, **kwargs}) as rest:
-        ours = [n for n in nodes if isinstance(n, Node)]
-        if not ours:
-            return dask.compute(*nodes, **rest)
-        joint = Joint(ours)  # planned together here: Dask may optimize on the scheduler
-        note_lowering(joint.lowered)
-        values, *others = dask.compute(joint, *[n for n in nodes if not isinstance(n, Node)], **rest)
-        by_key = dict(zip((n.key for n in joint.nodes), values))
-        others = iter(others)
-        results = tuple(by_key[n.key] if isinstance(n, Node) else next(others) for n in nodes)
-        for node, value in zip(nodes, results):
-            if isinstance(node, Node):
-                # Here, on the client (Dask may finalize on a worker), and under this call's
-                # settings: result_cache=False remembers nothing.
-                remember(node.key, value)
-    return results
-
-
 def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None) -> dict:
     """Print (and return) the optimized plan: passes applied, tasks by type, calls merged, tokens saved.
 
     The settings are those of :func:`compute`: ``explain(node, passes=[], granularity="query")``
     shows the naive plan."""
-    from daskllm.graph.lower import lowered, overrides
-
     settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
                                   "result_cache": result_cache}.items() if v is not None}
-    with overrides(settings):
-        report = lowered(list(nodes)).report
+    with submit.overrides(settings):
+        report = submit.plan(list(nodes)).report
     lines = [f"passes applied: {', '.join(report.get('applied', [])) or 'none'}",
              "tasks by type: " + ", ".join(f"{op} {n}" for op, n in sorted(report.get("tasks", {}).items())),
              "calls requested: " + ", ".join(f"{op} {n}" for op, n in sorted(report.get("requested", {}).items()))]

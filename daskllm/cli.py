@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import runpy
+import sys
 
 import click
+import pandas as pd
+
+from daskllm import demo as demo_job
+from daskllm.datasets import catalog, load
+from daskllm.models import cache_dir, list_recipes, resolve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,8 +35,6 @@ def main():
 def demo(model, n_workers, n_questions, max_tokens, rows, dashboard_address, keep_alive, json_path):
     """The main job: a real model answers questions about the standard library with retrieval on a
     local cluster, then a table job; prints what the plan did and the dashboard's address."""
-    from daskllm import demo as demo_job
-
     summary = demo_job.run(model=model, n_workers=n_workers, n_questions=n_questions, max_tokens=max_tokens,
                            rows=rows, dashboard_address=dashboard_address, keep_alive=keep_alive, echo=click.echo)
     if json_path:
@@ -40,10 +46,6 @@ def demo(model, n_workers, n_questions, max_tokens, rows, dashboard_address, kee
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench(args):
     """The benchmark harness (bench/harness.py; needs a source checkout). ``daskllm bench --help``."""
-    import pathlib
-    import runpy
-    import sys
-
     harness = pathlib.Path(__file__).resolve().parent.parent / "bench" / "harness.py"
     if not harness.is_file():
         raise click.ClickException(f"daskllm bench runs bench/harness.py from a source checkout; {harness} is not "
@@ -64,8 +66,6 @@ def models():
 @models.command("list")
 def models_list():
     """List recipes: parameters, source, license, and whether (and where) they are built."""
-    from daskllm.models import cache_dir, list_recipes
-
     click.echo(f"cache: {cache_dir()}")
     for row in list_recipes():
         state = (f"built, {row.size_bytes / 1e6:,.0f} MB on disk: {row.path}" if row.path is not None
@@ -78,8 +78,6 @@ def models_list():
 @click.argument("names", nargs=-1, required=True)
 def models_build(names):
     """Build (or find cached) recipe models and print their directories."""
-    from daskllm.models import resolve
-
     for name in names:
         click.echo(f"{name}: {resolve(name)}")
 
@@ -92,8 +90,6 @@ def datasets():
 @datasets.command("list")
 def datasets_list():
     """List every dataset, where it comes from, and whether it is available here."""
-    from daskllm.datasets import catalog
-
     for info in catalog():
         state = "available" if info.available else "not here (needs ../shared/data or $DASKLLM_DATA_DIR)"
         click.echo(f"  {info.name:<15} {info.kind:<10} {info.description}")
@@ -107,10 +103,6 @@ def datasets_list():
 @click.option("--seed", default=0, show_default=True, help="Seed of the generated sets.")
 def datasets_show(name, n, seed):
     """Print the first rows of a dataset."""
-    import pandas as pd
-
-    from daskllm.datasets import load
-
     try:
         frame = load(name, n, seed=seed)
     except (ValueError, FileNotFoundError) as error:

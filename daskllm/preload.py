@@ -58,9 +58,7 @@ async def dask_setup(worker, models, embedders, rerankers, backend, options, thr
     if not (models or embedders or rerankers):
         raise click.UsageError("give at least one --daskllm-model, --daskllm-embedder or --daskllm-reranker")
     engine_options = dict(_parse_option(o) for o in options)
-    specs = ([EngineSpec(model=m, backend=backend, options=engine_options) for m in models]
-             + [EngineSpec(model=m, backend=backend, kind="embed") for m in embedders]
-             + [EngineSpec(model=m, backend=backend, kind="rerank") for m in rerankers])
+    specs = EngineSpec.expand(models, embedders, rerankers, backend=backend, llm_options=engine_options)
     defaults = {"num_threads": threads} if threads else {}
     host = EngineHost(specs, **defaults)
     if hasattr(worker, "_pending_plugins"):

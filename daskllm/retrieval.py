@@ -1,11 +1,9 @@
-"""Retrieval on a Dask cluster: embed, rerank, and vector indexes sharded across workers.
-
-Task functions (run on a worker, against its resident engines): :func:`embed`,
-:func:`rerank`, and the shard operations used by :class:`ShardedIndex`.
+"""Vector indexes sharded across the workers of a Dask cluster.
 
 A :class:`ShardedIndex` is a client-side handle. Each shard is a
 :class:`~daskllm.index.VectorIndex` in one worker's memory (held by that worker's
-:class:`~daskllm.worker.EngineHost`). Ingest embeds texts on the worker that will hold them,
+:class:`~daskllm.worker.EngineHost`; the shard task functions are in
+:mod:`daskllm.worker.indexes`). Ingest embeds texts on the worker that will hold them,
 so no vectors cross the network; ``search`` embeds the queries once, runs one search task
 per shard on the worker holding it, and merges the top-k. Vector ``i`` lives in shard
 ``i % shards``, so shards stay balanced under incremental ingest.
@@ -21,80 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daskllm.index import Hit, VectorIndex, merge_hits
+from daskllm.index import Hit, VectorIndex
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
-from daskllm.worker import get_engine, host
+from daskllm.worker.calls import embed
+from daskllm.worker.control import resident_models
+from daskllm.worker.indexes import (add_to_shard, count_shards, create_shard, drop_shards, embed_dim, ingest_shard,
+                                    load_shard, merge_shards, save_shard, search_shard)
 
 INGEST_CHUNK = 512  # texts per ingest task: bounded memory, visible progress, concurrent batches
-
-
-# --- task functions -----------------------------------------------------------------------
-
-def embed(model: str, texts: Sequence[str]) -> np.ndarray:
-    """Task: ``[len(texts), dim]`` unit vectors from this worker's embed engine."""
-    return get_engine(model, "embed").embed([texts] if isinstance(texts, str) else list(texts))
-
-
-def rerank(model: str, query: str, docs: Sequence[str], k: int | None = None) -> list[tuple[int, float]]:
-    """Task: (document position, score) of the best ``k`` documents for ``query``."""
-    return get_engine(model, "rerank").rerank(query, docs, k)
-
-
-def _shard(name: str, shard: int) -> VectorIndex:
-    plugin = host()
-    try:
-        return plugin.indexes[name][shard]
-    except KeyError:
-        from distributed import get_worker
-
-        held = {n: sorted(s) for n, s in plugin.indexes.items()}
-        raise LookupError(f"index {name!r} shard {shard} is not on worker {get_worker().address} "
-                          f"(it holds {held or 'no indexes'})") from None
-
-
-def create_shard(name: str, shard: int, config: dict) -> int:
-    index = VectorIndex(**{**config, "name": name})
-    host().indexes.setdefault(name, {})[shard] = index
-    return 0
-
-
-def ingest_shard(name: str, shard: int, embedder: str, texts: Sequence, ids: Sequence[int]) -> int:
-    """Task: embed ``texts`` with this worker's embedder and add them to the shard."""
-    index = _shard(name, shard)
-    for i, t in zip(ids, texts):
-        if not isinstance(t, str):
-            raise ValueError(f"index {name!r}: row with id {i} is a {type(t).__name__}, not text: {t!r:.80}")
-    vectors = get_engine(embedder, "embed").embed(list(texts))
-    return index.add(vectors, ids, list(texts))
-
-
-def add_to_shard(name: str, shard: int, vectors, ids: Sequence[int], texts: Sequence[str] | None) -> int:
-    return _shard(name, shard).add(vectors, ids, texts)
-
-
-def search_shard(name: str, shard: int, queries: np.ndarray, k: int) -> list[list[Hit]]:
-    index = _shard(name, shard)
-    return index.search(queries, min(k, index.ntotal)) if index.ntotal else [[] for _ in range(len(queries))]
-
-
-def save_shard(name: str, shard: int, path: str) -> str:
-    return str(_shard(name, shard).save(path))
-
-
-def load_shard(name: str, shard: int, path: str) -> int:
-    index = VectorIndex.load(path)
-    index.name = name
-    host().indexes.setdefault(name, {})[shard] = index
-    return index.ntotal
-
-
-def drop_shards(name: str, dask_worker=None) -> int:
-    plugin = dask_worker.plugins.get("daskllm-engines") if dask_worker is not None else host()
-    return len(plugin.indexes.pop(name, {}) or {}) if plugin is not None else 0
-
-
-def _merge(k: int, *per_shard: list[list[Hit]]) -> list[list[Hit]]:
-    return merge_hits(per_shard, k)
 
 
 # --- the client-side handle ----------------------------------------------------------------
@@ -117,8 +49,6 @@ class ShardedIndex:
                kind: str = "flat", metric: str = "ip", shards: int | None = None,
                workers: Sequence[str] | None = None, **index_options) -> ShardedIndex:
         """An empty index with ``shards`` shards (default: one per worker holding ``embedder``)."""
-        from daskllm.worker import resident_models
-
         holders = [w for w, names in resident_models(client, kind="embed").items() if embedder in names]
         candidates = list(workers) if workers is not None else holders
         if not candidates:
@@ -127,7 +57,7 @@ class ShardedIndex:
             raise ValueError(f"index {name!r} already exists on the cluster; drop it or pick another name")
         shards = shards or len(candidates)
         if dim is None:
-            dim = client.submit(_embed_dim, embedder, workers=candidates[:1], pure=False).result()
+            dim = client.submit(embed_dim, embedder, workers=candidates[:1], pure=False).result()
         config = {"dim": dim, "kind": kind, "metric": metric, **index_options}
         VectorIndex(**config, name=name)  # validate here, before any worker sees it
         placement = [candidates[i % len(candidates)] for i in range(shards)]
@@ -229,7 +159,7 @@ class ShardedIndex:
         per_shard = [self.client.submit(search_shard, self.name, s, vectors, k, workers=[w],
                                         allow_other_workers=False, pure=False)
                      for s, w in enumerate(self.workers)]
-        return per_shard, self.client.submit(_merge, k, *per_shard, pure=False)
+        return per_shard, self.client.submit(merge_shards, k, *per_shard, pure=False)
 
     def search(self, queries, k: int = 5, *, errors: str = "raise") -> list[list[Hit] | Exception]:
         """Top-``k`` hits for each query (texts, or an array of vectors).
@@ -299,14 +229,5 @@ class ShardedIndex:
         return {**self.__dict__, "client": None}
 
 
-def _embed_dim(embedder: str) -> int:
-    return get_engine(embedder, "embed").dim
-
-
 def _holds(client, name: str) -> dict[str, int]:
-    return client.run(_count_shards, name)
-
-
-def _count_shards(name: str, dask_worker=None) -> int:
-    plugin = dask_worker.plugins.get("daskllm-engines")
-    return len(plugin.indexes.get(name, {})) if plugin is not None else 0
+    return client.run(count_shards, name)

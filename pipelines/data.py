@@ -72,7 +72,7 @@ def make_inputs(client, n: int, *, source: str = "auto", index_docs: int = 2000,
                 index_name: str = "pipelines-stdlib") -> Inputs:
     """Questions, an index over the corpus's passages on ``client``'s cluster, and contexts."""
     import daskllm
-    from daskllm.retrieval import drop_shards
+    from daskllm.worker.indexes import drop_shards
 
     client.run(drop_shards, index_name)
     index = daskllm.ShardedIndex.from_texts(client, index_name, passages(index_docs))

@@ -53,7 +53,7 @@ class Lazy:
         return model or self.model or daskllm.config.get("model")
 
     def _prompt(self, template: str, model: str, slots: dict):
-        from daskllm.graph.prompt import tokenizer_for
+        from daskllm.prompts import tokenizer_for
 
         chat = self.chat if self.chat is not None else tokenizer_for(model).has_chat_template
         return daskllm.chat([{"role": "user", "content": template}], **slots) if chat else \
@@ -104,7 +104,7 @@ def _call(_, fn, ops, *args):
 @functools.cache
 def first_tokens(model: str, options: tuple[str, ...]) -> tuple[int, ...]:
     """The tokens an answer naming one of ``options`` may start with."""
-    from daskllm.graph.prompt import tokenizer_for
+    from daskllm.prompts import tokenizer_for
 
     return tokenizer_for(model).answer_tokens(options)
 
@@ -145,7 +145,7 @@ class Items:
         return "pipelines.Items", dask.base.tokenize(self.items)
 
     def __str__(self) -> str:
-        from daskllm.graph.prompt import render_value
+        from daskllm.prompts import render_value
 
         return render_value(self.items)
 

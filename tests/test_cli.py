@@ -12,7 +12,7 @@ import pytest
 from distributed import Client
 
 from daskllm.engines import EngineSpec, SamplingParams
-from daskllm.retrieval import embed
+from daskllm.worker import embed
 from daskllm.worker import engine_stats, generate, resident_models
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 
 import daskllm
-from daskllm.graph.items import Dyn, PromptCall, items
-from daskllm.graph.lower import lowered
+from daskllm.plan.ir import Dyn
+from daskllm.plan.items import PromptCall, items
+from daskllm.runtime.submit import plan as lowered
 
 MODEL = "smollm2"
 SYSTEM = "You answer questions in one short sentence."
@@ -83,7 +84,7 @@ def test_a_chat_without_system_message_gets_the_templates_default(tokenizer, que
 
 
 def test_a_waiting_prompts_known_ids_begin_its_ids_whatever_fills_the_slot(tokenizer, questions):
-    from daskllm.tasks import _tokens
+    from daskllm.worker.execute import _tokens
 
     class Engine:  # what a worker's engine offers the task: its tokenizer
         @staticmethod
@@ -165,7 +166,7 @@ def test_answers_through_a_cluster_equal_transformers_generate(client, tokenizer
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_model_no_worker_serves_fails_at_submit_naming_it(client):
-    from daskllm.worker import ModelNotServedError
+    from daskllm.runtime.view import ModelNotServedError
 
     node = daskllm.generate("Hello", model="tiny")
     with pytest.raises(ModelNotServedError, match=r"'tiny'.*hold.*smollm2 \(2 workers\)"):

@@ -10,8 +10,8 @@ import pytest
 from distributed import get_task_stream
 
 import daskllm
-from daskllm.graph.lower import lowered, plan
-from daskllm.rewrite.cache import RESULTS
+from daskllm.runtime.submit import plan as lowered
+from daskllm.worker.results import RESULTS
 from daskllm.retrieval import ShardedIndex
 from helpers import cold_start, set_policy
 
@@ -247,14 +247,14 @@ def test_bad_input_fails_at_build_time_naming_the_problem():
             graph.add_edge(b, a)
             return graph
 
-    from daskllm.rewrite import REGISTRY, register_pass
+    from daskllm.plan.passes import REGISTRY, register_pass
 
     register_pass("make-a-cycle", Cyclic)
     try:
         node = daskllm.generate(daskllm.prompt("Q: {q}", q=["a", "b"]))
         with dask.config.set({"daskllm.rewrite.passes": ["make-a-cycle"]}), \
                 pytest.raises(ValueError, match="cycle through"):
-            plan([node])
+            lowered([node])
     finally:
         REGISTRY.pop("make-a-cycle")
 
@@ -265,7 +265,7 @@ def test_overrides_are_per_thread_and_never_leak():
     import threading
 
     from daskllm import config
-    from daskllm.graph.lower import overrides
+    from daskllm.runtime.submit import overrides
 
     default = config.get("rewrite.passes")
     seen, barrier = {}, threading.Barrier(8)

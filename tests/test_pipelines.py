@@ -62,7 +62,7 @@ def test_optimized_naive_opwise_and_sequential_runs_agree(client, inputs, name):
 
 
 def test_lazy_build_is_a_graph_not_a_run(client, inputs):
-    from daskllm.rewrite.cache import RESULTS
+    from daskllm.worker.results import RESULTS
 
     RESULTS.clear()  # earlier tests' results would turn the calls into cached values
     nodes = PIPELINES["trading"](inputs, **_config("trading"))

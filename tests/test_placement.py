@@ -19,9 +19,10 @@ from distributed import Client, get_task_stream
 from distributed.utils_test import poll_for
 
 import daskllm
-from daskllm.graph.lower import lowered
-from daskllm.rewrite.cache import RESULTS
-from daskllm.worker import EngineHost, ModelNotServedError, engine_stats, reset_prefix_caches, resident_models
+from daskllm.runtime.submit import plan as lowered
+from daskllm.worker.results import RESULTS
+from daskllm.runtime.view import ModelNotServedError
+from daskllm.worker import EngineHost, engine_stats, reset_prefix_caches, resident_models
 from helpers import cold_start, set_policy
 
 SYSTEMS = [f"System prompt {n}: you are assistant number {n}. Answer in one short sentence and cite the module. " * 3

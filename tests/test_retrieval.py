@@ -14,7 +14,8 @@ from daskllm.engines.embedder import EmbedEngine
 from daskllm.engines.reranker import BiEncoderReranker
 from daskllm.index import VectorIndex, merge_hits
 from daskllm.datasets import stdlib_questions
-from daskllm.retrieval import ShardedIndex, embed, rerank
+from daskllm.retrieval import ShardedIndex
+from daskllm.worker import embed, rerank
 
 DOCS = [
     "json.load reads a JSON document from a file object and returns Python objects.",

@@ -255,7 +255,7 @@ def test_a_killed_worker_mid_stream_gives_the_unstreamed_result(client):
 
 
 def _keys(node) -> list:
-    from daskllm.graph.lower import lowered
+    from daskllm.runtime.submit import plan as lowered
 
     return [k for layer in lowered([node]).graph.layers.values() for k in layer]
 
@@ -313,7 +313,7 @@ def test_big_items_travel_as_futures(client):
 
 def test_nested_work_is_planned_with_the_outer_settings(client):
     """Items' work, lowered on workers, follows the computation's passes (e.g. an ablation)."""
-    from daskllm.metering import _records, _with_children
+    from daskllm.runtime.metering import _records, _with_children
 
     def per_claim(claim):
         parts = daskllm.generate(daskllm.prompt("Parts of {c}:", c=claim), max_tokens=16, ignore_eos=True,

@@ -12,6 +12,9 @@ import logging
 
 from distributed import SchedulerPlugin
 from distributed.http.utils import RequestHandler
+from tornado.ioloop import IOLoop
+
+from daskllm.dashboard.metrics import PrometheusCollector, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +23,6 @@ class MetricsJSON(RequestHandler):
     """``GET /llm/metrics.json``: the LLM metrics snapshot (read-only)."""
 
     def get(self):
-        from daskllm.dashboard.metrics import snapshot
-
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps(snapshot(self.server), default=str))
 
@@ -48,11 +49,9 @@ def install(scheduler) -> bool:
 def _install_prometheus(scheduler) -> None:
     global _collector
     try:
-        import prometheus_client
+        import prometheus_client  # optional: without it, no Prometheus lines
     except ImportError:
         return
-    from daskllm.dashboard.metrics import PrometheusCollector
-
     if _collector is None:
         _collector = PrometheusCollector(scheduler)
         prometheus_client.REGISTRY.register(_collector)
@@ -60,14 +59,13 @@ def _install_prometheus(scheduler) -> None:
 
 
 def _install_page(scheduler, application) -> None:
-    try:
+    try:  # bokeh is optional: without it Dask has no dashboard at all
         from distributed.dashboard.core import BokehApplication
         from distributed.dashboard.scheduler import template_variables
-    except ImportError:  # bokeh not installed: no dashboard at all
-        return
-    from tornado.ioloop import IOLoop
 
-    from daskllm.dashboard.page import llm_doc
+        from daskllm.dashboard.page import llm_doc
+    except ImportError:
+        return
 
     variables = template_variables(scheduler)
     if "llm" not in variables["pages"]:

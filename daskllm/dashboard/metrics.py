@@ -99,7 +99,7 @@ class PrometheusCollector:
         self.scheduler = scheduler
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # optional dependency
 
         counters = {
             "prefill_tokens_computed": ("daskllm_prefill_tokens_computed", "Prompt tokens computed by prefill"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from bokeh.layouts import column, row
 from bokeh.models import ColumnDataSource, DataTable, Div, TableColumn
 from bokeh.plotting import figure
+from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
 from daskllm.dashboard.metrics import _history, snapshot
 
@@ -91,8 +92,6 @@ class LLMPage:
 
 
 def llm_doc(scheduler, extra, doc) -> None:
-    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
     page = LLMPage(scheduler)
     page.update()
     doc.title = "Dask: LLM"

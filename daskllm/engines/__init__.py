@@ -9,10 +9,12 @@ takes ``daskllm.engine.backend`` from the config of the process that loads it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from daskllm import config
 from daskllm.engines.protocol import (
     CacheState,
     Completion,
@@ -22,6 +24,7 @@ from daskllm.engines.protocol import (
     RequestError,
     SamplingParams,
 )
+from daskllm.models import model_name
 
 BACKENDS = ("torch", "vllm", "auto")
 KINDS = ("llm", "embed", "rerank")
@@ -57,16 +60,29 @@ class EngineSpec:
             return cls(**{"kind": kind, **value})
         raise TypeError(f"a model is a name, a directory, a dict or an EngineSpec; got {value!r}")
 
+    @classmethod
+    def expand(cls, models: Iterable = (), embedders: Iterable = (), rerankers: Iterable = (), *,
+               backend: str | None = None, llm_options: Mapping | None = None) -> list[EngineSpec]:
+        """Specs for the models, embedders and rerankers a worker keeps resident (names, dicts or
+        specs); ``backend`` applies to specs that name none, ``llm_options`` to every LLM spec's
+        options that it does not set itself."""
+        specs = ([cls.parse(m, "llm") for m in models] + [cls.parse(m, "embed") for m in embedders]
+                 + [cls.parse(m, "rerank") for m in rerankers])
+        out = []
+        for spec in specs:
+            if backend is not None and spec.backend is None:
+                spec = dataclasses.replace(spec, backend=backend)
+            if llm_options and spec.kind == "llm":
+                spec = dataclasses.replace(spec, options={**llm_options, **spec.options})
+            out.append(spec)
+        return out
+
     @property
     def engine_name(self) -> str:
-        from daskllm.models import model_name
-
         return self.name or model_name(self.model)
 
     def resolved_backend(self) -> str:
         """The backend this process would load the spec on (``auto`` decided here)."""
-        from daskllm import config
-
         backend = self.backend or config.get("engine.backend")
         if backend not in BACKENDS:
             raise ValueError(f"daskllm.engine.backend must be one of {BACKENDS}, got {backend!r}")

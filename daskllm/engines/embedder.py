@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from daskllm import models
 from daskllm.engines import bert
 from daskllm.engines.batcher import Batcher
 from daskllm.engines.protocol import RequestError
@@ -55,8 +56,6 @@ class EmbedEngine:
                  device: str | None = None, max_batch_tokens: int = 16384, num_threads: int | None = None,
                  backend: str = "torch", **_ignored):
         from transformers import AutoTokenizer
-
-        from daskllm import models
 
         self.path = path = models.resolve(model)
         self.name = name or models.model_name(model)

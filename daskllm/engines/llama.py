@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from daskllm.engines.invariant import linear, pad_rows
+from daskllm.models import dummy_weights
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PREFILL_TILE = 128  # query positions per attention tile: bounds memory on long prompts
@@ -89,8 +90,6 @@ class LlamaConfig:
 
 
 def load_state_dict(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
-    from daskllm.models import dummy_weights
-
     if (state := dummy_weights(model_dir)) is not None:
         return state
     files = sorted(model_dir.glob("*.safetensors"))

@@ -18,6 +18,10 @@ Prompt = str | Sequence[int]
 TokenCallback = Callable[[str], None]
 
 
+class EngineClosed(RuntimeError):
+    """The engine was closed: requests still running fail with this, new ones are refused."""
+
+
 class RequestError(ValueError):
     """A request was rejected; only that request fails, the engine keeps serving."""
 
@@ -230,6 +234,25 @@ class BatchingEngine:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def submit_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Future]:
+        """Submit prompts together, so they join the same engine step. A bad prompt does not stop
+        the others: its slot holds a future failed with a RequestError naming its position."""
+        if isinstance(prompts, str):
+            raise RequestError("submit_many() takes a list of prompts; use submit() for one")
+        prepared, failed = [], {}
+        for i, p in enumerate(prompts):
+            try:
+                prepared.append(self._prepare(p, params))
+            except RequestError as exc:
+                failed[i] = failed_future(RequestError(f"prompt {i}: {exc}"))
+        started = iter(self._start_all(prepared))
+        return [failed[i] if i in failed else next(started) for i in range(len(prompts))]
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams | None):
+        """A checked request (RequestError if it is bad), not yet started."""
+        raise NotImplementedError
+
+    def _start_all(self, prepared: list) -> list[Future]:
+        """Start checked requests, atomically where the engine can."""
         raise NotImplementedError
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,

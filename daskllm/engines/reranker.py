@@ -20,9 +20,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from daskllm import models
 from daskllm.engines.batcher import Batcher
 from daskllm.engines.embedder import EmbedEngine
 from daskllm.engines.protocol import RequestError
+from daskllm.models import is_cross_encoder
 
 
 @dataclass(slots=True)
@@ -44,14 +46,6 @@ def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
     return [(i, float(scores[i])) for i in order]
 
 
-def is_cross_encoder(path: pathlib.Path) -> bool:
-    try:
-        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return False
-    return any(a.endswith("ForSequenceClassification") for a in archs)
-
-
 def _validate(query, docs) -> list[str]:
     if not isinstance(query, str):
         raise RequestError(f"rerank query must be a str, got {type(query).__name__}")
@@ -71,8 +65,6 @@ class BiEncoderReranker:
 
     def __init__(self, model: str | os.PathLike = "all-MiniLM-L6-v2", *, name: str | None = None,
                  embedder: EmbedEngine | None = None, **embed_options):
-        from daskllm import models
-
         self.name = name or models.model_name(model)
         self._owns_embedder = embedder is None
         self.embedder = embedder or EmbedEngine(model, name=f"{self.name}-embed", **embed_options)
@@ -122,8 +114,6 @@ class CrossEncoderReranker:
     def __init__(self, model: str | os.PathLike, *, name: str | None = None, device: str | None = None,
                  max_batch_pairs: int = 64, num_threads: int | None = None, backend: str = "torch", **_ignored):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from daskllm import models
 
         path = models.resolve(model)
         self.name = name or models.model_name(model)
@@ -181,8 +171,6 @@ class CrossEncoderReranker:
 
 def load_reranker(model: str | os.PathLike = "all-MiniLM-L6-v2", **options):
     """A cross-encoder for sequence-classification checkpoints, else a bi-encoder."""
-    from daskllm import models
-
     if is_cross_encoder(models.resolve(model)):
         options.pop("embedder", None)
         return CrossEncoderReranker(model, **options)

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
-from daskllm import config
+from daskllm import config, models
 from daskllm.engines.detok import TextStream
 from daskllm.engines.kv_cache import BlockManager
 from daskllm.engines.llama import LlamaModel, StepInput
@@ -28,6 +28,7 @@ from daskllm.engines.protocol import (
     BatchingEngine,
     CacheState,
     Completion,
+    EngineClosed,
     EngineStats,
     PrefillHandle,
     Prompt,
@@ -45,10 +46,6 @@ logger = logging.getLogger(__name__)
 _request_ids = itertools.count()
 
 
-class EngineClosed(RuntimeError):
-    pass
-
-
 class TorchEngine(BatchingEngine):
     """A resident model with continuous batching and a prefix cache (the Engine protocol)."""
 
@@ -56,8 +53,6 @@ class TorchEngine(BatchingEngine):
                  dtype: str | torch.dtype | None = None, block_size: int | None = None,
                  kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, num_threads: int | None = None):
-        from daskllm import models
-
         path = models.resolve(model)
         self.name = name or models.model_name(model)
         self.path = path
@@ -102,22 +97,11 @@ class TorchEngine(BatchingEngine):
                on_text: TokenCallback | None = None) -> Future[Completion]:
         return self._enqueue([self._sequence(prompt, params, on_text)])[0]
 
-    def submit_many(self, prompts: SequenceABC[Prompt], params: SamplingParams | None = None) -> list[Future]:
-        """Submit prompts atomically, so they all join the same engine step.
+    def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
+        return self._sequence(prompt, params)
 
-        A bad prompt does not stop the others: its slot holds a future failed with a
-        RequestError naming its position.
-        """
-        if isinstance(prompts, str):
-            raise RequestError("submit_many() takes a list of prompts; use submit() for one")
-        seqs: list[Sequence | Future] = []
-        for i, p in enumerate(prompts):
-            try:
-                seqs.append(self._sequence(p, params))
-            except RequestError as exc:
-                seqs.append(failed_future(RequestError(f"prompt {i}: {exc}")))
-        queued = iter(self._enqueue([s for s in seqs if isinstance(s, Sequence)]))
-        return [s if isinstance(s, Future) else next(queued) for s in seqs]
+    def _start_all(self, prepared: list[Sequence]) -> list[Future]:
+        return self._enqueue(prepared)  # one step sees them all
 
     def _sequence(self, prompt: Prompt, params: SamplingParams | None, on_text: TokenCallback | None = None):
         params = check_params(params)

@@ -37,11 +37,13 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 
+from daskllm import config, models
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
 from daskllm.engines.protocol import (
     BatchingEngine,
     CacheState,
     Completion,
+    EngineClosed,
     EngineStats,
     PrefillHandle,
     Prompt,
@@ -55,10 +57,6 @@ from daskllm.engines.protocol import (
 
 logger = logging.getLogger(__name__)
 _request_ids = itertools.count()
-
-
-class EngineClosed(RuntimeError):
-    pass
 
 
 def unavailable_reason() -> str | None:
@@ -164,9 +162,7 @@ class PrefixShadow:
 
 def is_dummy(path: pathlib.Path) -> bool:
     """A recipe built without weights (see :mod:`daskllm.models`): vLLM loads random ones."""
-    from daskllm.models import DUMMY_MARKER
-
-    return (path / DUMMY_MARKER).is_file()
+    return (path / models.DUMMY_MARKER).is_file()
 
 
 def _check_can_spawn() -> None:
@@ -187,8 +183,6 @@ class VLLMEngine(BatchingEngine):
                  load_format: str | None = None, seed: int = 0, kv_events: bool = True,
                  enforce_eager: bool = False, batch_invariant: bool = False, num_threads: int | None = None,
                  device: str | None = None, **engine_args):
-        from daskllm import config, models
-
         if (reason := unavailable_reason()) is not None:
             raise RuntimeError(f"cannot start a vLLM engine for {model!r}: {reason}")
         if device not in (None, "cuda") and not str(device).startswith("cuda"):
@@ -276,18 +270,11 @@ class VLLMEngine(BatchingEngine):
         ids, params = self._request(prompt, params)
         return self._start_request(ids, params, on_text)
 
-    def submit_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Future]:
-        if isinstance(prompts, str):
-            raise RequestError("submit_many() takes a list of prompts; use submit() for one")
-        futures = []
-        for i, p in enumerate(prompts):
-            try:
-                ids, checked = self._request(p, params)
-            except RequestError as exc:
-                futures.append(failed_future(RequestError(f"prompt {i}: {exc}")))
-            else:
-                futures.append(self._start_request(ids, checked, None))
-        return futures
+    def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> tuple:
+        return self._request(prompt, params)
+
+    def _start_all(self, prepared: list[tuple]) -> list[Future]:
+        return [self._start_request(ids, params, None) for ids, params in prepared]
 
     def submit_prefill(self, prompt: Prompt) -> Future[PrefillHandle]:
         ids = self._encode(prompt)

@@ -15,16 +15,10 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from daskllm.graph.nodes import Node, stable_hash
-from daskllm.graph.prompt import Slot, Text, Tokens, render_chat, render_value, tokenizer_for
-
-
-@dataclass(frozen=True, slots=True)
-class Dyn:
-    """Item ``index`` of an upstream node's output (0 for a scalar node)."""
-
-    node: Node
-    index: int
+from daskllm.ops import task_type
+from daskllm.ops.values import input_part
+from daskllm.plan.ir import Dyn, Node, stable_hash
+from daskllm.prompts import Prompt, Text, Tokens, render_chat, render_value, tokenizer_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,18 +41,6 @@ class PromptCall:
         return not any(isinstance(p, Dyn) for p in self.parts)
 
 
-def item_of(node: Node, i: int) -> int:
-    return i if node.batched else 0
-
-
-def _input(graph: nx.DiGraph, node: Node, name: str, i: int):
-    """An input's value for item i: the constant itself, or a Dyn."""
-    producer = node.inputs[name]
-    if producer.op == "const":
-        return producer.value[i] if producer.batched else producer.value
-    return Dyn(producer, item_of(producer, i))
-
-
 def _hash_of(graph: nx.DiGraph, part) -> object:
     if isinstance(part, Dyn):
         return ("dyn", hashes(graph, part.node)[part.index])
@@ -75,11 +57,9 @@ def items(graph: nx.DiGraph, node: Node) -> list:
 def hashes(graph: nx.DiGraph, node: Node) -> list[str]:
     data = graph.nodes[node]
     if "hashes" not in data:
-        if node.op in ("const",):
-            values = node.value if node.batched else [node.value]
-            data["hashes"] = [stable_hash("const", v) for v in values]
-        elif node.op in ("delayed", "persisted"):
-            data["hashes"] = [stable_hash(node.op, node.key, i) for i in range(node.n)]
+        kind = task_type(node)
+        if kind.value_hashes is not None:
+            data["hashes"] = kind.value_hashes(node)
         else:
             salt = stable_hash(node.op, node.params_for_hash())
             # A sampled call without a seed is unique: never merged, not even with its twin in a batch.
@@ -110,7 +90,7 @@ def prompt_call(graph: nx.DiGraph, node: Node, i: int) -> PromptCall:
         if isinstance(seg, Tokens):
             parts.append(seg.ids)
             continue
-        value = seg.text if isinstance(seg, Text) else _input(graph, node, seg.name, i)
+        value = seg.text if isinstance(seg, Text) else input_part(node, seg.name, i)
         if not isinstance(value, Dyn):
             value = render_value(value)
             if parts and isinstance(parts[-1], str):
@@ -124,53 +104,19 @@ def prompt_call(graph: nx.DiGraph, node: Node, i: int) -> PromptCall:
     return PromptCall(tuple(parts), special, tok.stable_prefix(tuple(parts[:dynamic]), special))
 
 
-def _chat_prompt(node: Node):
-    from daskllm.graph.prompt import Prompt
-
+def _chat_prompt(node: Node) -> Prompt:
     return Prompt(node.template, {}, chat=node.chat)
 
 
 def _resolve(graph: nx.DiGraph, node: Node) -> list:
-    n = node.n
-    if node.op in ("generate", "prefill"):
-        return [prompt_call(graph, node, i) for i in range(n)]
-    if node.op == "embed":
-        return [[_input(graph, node, "text", i)] for i in range(n)]
-    if node.op == "search":
-        return [[_input(graph, node, "query", i)] for i in range(n)]
-    if node.op == "rerank":
-        return [[_input(graph, node, "query", i), _input(graph, node, "docs", i)] for i in range(n)]
-    if node.op == "pmap":
-        source, args = node.inputs["stream"], pmap_args(node)
-        return [[Dyn(source, item_of(source, i)), *(_arg(a, i) for a in args)] for i in range(n)]
-    if node.op == "collect":
-        source = node.inputs["stream"]
-        return [[Dyn(source, item_of(source, i))] for i in range(n)]
-    if node.op == "gather":
-        source = node.inputs["items"]
-        return [[Dyn(source, j) for j in range(source.n)]]
-    raise ValueError(f"{node.label}: no items for op {node.op!r}")
+    kind = task_type(node)
+    if kind.prompted:
+        return [prompt_call(graph, node, i) for i in range(node.n)]
+    if kind.call_parts is not None:
+        return [kind.call_parts(graph, node, i) for i in range(node.n)]
+    if kind.inputs:
+        return [[input_part(node, name, i) for name in kind.inputs] for i in range(node.n)]
+    raise ValueError(f"{node.label}: op {node.op!r} makes no calls")
 
 
-def pmap_args(node: Node) -> list[Node]:
-    """A pmap's stage arguments, in order (inputs ``arg0``, ``arg1``, ...)."""
-    return [node.inputs[f"arg{j}"] for j in range(len(node.inputs) - 1)]
-
-
-def _arg(producer: Node, i: int):
-    if producer.op == "const":
-        return producer.value[i] if producer.batched else producer.value
-    return Dyn(producer, item_of(producer, i))
-
-
-def static_prefix(item: PromptCall) -> tuple[int, ...]:
-    """The token ids of a prompt known before any upstream output is."""
-    return item.known
-
-
-def is_static(item: PromptCall) -> bool:
-    return item.static
-
-
-__all__ = ["Dyn", "PromptCall", "Slot", "hashes", "is_static", "item_of", "items", "pmap_args", "prompt_call",
-           "static_prefix"]
+__all__ = ["Dyn", "PromptCall", "hashes", "items", "prompt_call"]

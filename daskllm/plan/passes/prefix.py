@@ -16,9 +16,11 @@ import os
 
 import networkx as nx
 
-from daskllm import config
-from daskllm.graph.items import is_static, items, static_prefix
-from daskllm.graph.nodes import Node
+from daskllm.ops import generate as generate_op
+from daskllm.ops import prefill as prefill_op
+from daskllm.plan.context import decide, decision, state
+from daskllm.plan.ir import Node
+from daskllm.plan.items import items
 
 
 class _Trie:
@@ -64,27 +66,28 @@ class SharedPrefixPrefill:
     name = "prefix"
 
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
-        block = int(config.get("engine.block-size"))
-        threshold = int(config.get("rewrite.prefix-min-tokens"))
+        plan = state(graph)
+        block, threshold = plan.options.block_size, plan.options.prefix_min_tokens
         # model -> static prefix -> [(node, item, fully static?)]: calls from one template share
         # a prefix, so the tree is built over distinct prefixes, weighted by their calls.
         calls: dict[str, dict[tuple[int, ...], list[tuple[Node, int, bool]]]] = {}
         for node in list(graph):
-            if node.op != "generate":
+            if node.op != generate_op.GENERATE.name:
                 continue
-            cached = graph.nodes[node].get("cached") or [None] * node.n
+            cached = decision(graph, node).cached or (None,) * node.n
             by_prefix = calls.setdefault(node.params["model"], {})
             seen_static: set = set()
             for i, item in enumerate(items(graph, node)):
                 if cached[i] is not None:
                     continue
-                prefix, static = static_prefix(item), is_static(item)
+                prefix, static = item.known, item.static
                 if static:  # identical static prompts are one call (CSE): count them once
                     if prefix in seen_static:
                         continue
                     seen_static.add(prefix)
                 by_prefix.setdefault(prefix, []).append((node, i, static))
         prefills: dict[tuple[str, tuple[int, ...]], Node] = {}
+        assigned: dict[Node, list] = {}  # generate node -> per call, the prefill it waits for
         shared = partial = saved = 0
         for model, by_prefix in calls.items():
             trie = _Trie()
@@ -107,16 +110,17 @@ class SharedPrefixPrefill:
                     if key not in prefills:
                         # A partial prefill serves one call: lowering batches those of a decode
                         # shard into one task, placed with the shard.
-                        params = {"model": model, "tokens": tokens, **({"partial": True} if kind == "partial" else {})}
-                        prefills[key] = Node("prefill", params=params)
+                        prefills[key] = prefill_op.shared(model, tokens, partial=kind == "partial")
                         graph.add_node(prefills[key])
                         shared += kind == "shared"
                         partial += kind == "partial"
                     else:
                         saved += len(tokens)
                     pre = prefills[key]
-                    graph.nodes[node].setdefault("prefill", [None] * node.n)[i] = pre
+                    assigned.setdefault(node, [None] * node.n)[i] = pre
                     graph.add_edge(pre, node)
-        graph.graph["report"]["prefix"] = {"prefills": len(prefills), "shared": shared, "partial": partial,
+        for node, pres in assigned.items():
+            decide(graph, node, prefills=tuple(pres))
+        plan.report["prefix"] = {"prefills": len(prefills), "shared": shared, "partial": partial,
                                            "prefill_tokens_saved": saved}
         return graph

@@ -18,49 +18,42 @@ from __future__ import annotations
 
 import networkx as nx
 
-from daskllm.graph.items import pmap_args
-from daskllm.streaming import PmapSpec
-
-
-def _on_cluster() -> bool:
-    try:
-        from distributed.client import _get_global_client
-    except ImportError:
-        return False
-    return _get_global_client() is not None
+from daskllm.ops import generate as generate_op
+from daskllm.ops import pmap as pmap_op
+from daskllm.plan.context import decide, state
+from daskllm.streaming.stages import PmapSpec
 
 
 class DecodePipelining:
     name = "pipeline"
 
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
-        outputs = set(graph.graph["outputs"])
+        plan = state(graph)
+        outputs = set(plan.outputs)
         fused = 0
         for node in list(nx.topological_sort(graph)):
-            if node.op != "pmap":
+            if not pmap_op.is_pmap(node):
                 continue
-            spec, args = graph.nodes[node].get("fused") or (node.value, pmap_args(node))
-            source = graph.nodes[node].get("source", node.inputs["stream"])
-            while (source.op == "pmap" and source not in outputs and list(graph.successors(source)) == [node]
+            spec, args = pmap_op.spec_and_args(graph, node)
+            source = pmap_op.source(graph, node)
+            while (pmap_op.is_pmap(source) and source not in outputs and list(graph.successors(source)) == [node]
                    and _compatible(source.value, spec)):
-                inner, inner_args = graph.nodes[source].get("fused") or (source.value, pmap_args(source))
+                inner, inner_args = pmap_op.spec_and_args(graph, source)
                 spec = PmapSpec(inner.stages + spec.stages, spec.errors, spec.sticky, spec.ancestry)
                 args = [*inner_args, *args]
-                below = graph.nodes[source].get("source", source.inputs["stream"])
+                below = pmap_op.source(graph, source)
                 graph.remove_node(source)
                 graph.add_edges_from((n, node) for n in (below, *inner_args))
                 source = below
                 fused += 1
-            graph.nodes[node].update(fused=(spec, args), source=source)
+            decide(graph, node, spec=spec, args=tuple(args), source=source)
         streamed = 0
-        if _on_cluster():  # queues need a cluster; computing locally, pmaps take the finished list
+        if plan.view.on_cluster:  # queues need a cluster; computing locally, pmaps take the finished list
             for node in graph:
-                if node.op == "pmap":
-                    source = graph.nodes[node]["source"]
-                    if source.op == "generate" and source.streaming:
-                        graph.nodes[node]["streamed"] = True
-                        streamed += 1
-        graph.graph["report"]["pipeline"] = {"pmaps_fused": fused, "streamed": streamed}
+                if pmap_op.is_pmap(node) and generate_op.is_split(pmap_op.source(graph, node)):
+                    decide(graph, node, streamed=True)
+                    streamed += 1
+        plan.report["pipeline"] = {"pmaps_fused": fused, "streamed": streamed}
         return graph
 
 

@@ -18,13 +18,14 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from distributed import WorkerPlugin, get_worker
+from distributed.diagnostics import nvml
 
-from daskllm.engines import KINDS, Completion, Engine, EngineSpec, PrefillHandle, SamplingParams
+from daskllm.engines import KINDS, Engine, EngineSpec
+from daskllm.models import is_cross_encoder, model_name, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,7 @@ class EngineHost(WorkerPlugin):
     def __init__(self, models: Iterable[str | Mapping | EngineSpec] = (), *,
                  embedders: Iterable[str | Mapping | EngineSpec] = (),
                  rerankers: Iterable[str | Mapping | EngineSpec] = (), **engine_defaults):
-        self.specs = ([EngineSpec.parse(m, "llm") for m in models] + [EngineSpec.parse(m, "embed") for m in embedders]
-                      + [EngineSpec.parse(m, "rerank") for m in rerankers])
+        self.specs = EngineSpec.expand(models, embedders, rerankers)
         if not self.specs:
             raise ValueError("EngineHost needs at least one model, embedder or reranker")
         keys = [(s.kind, s.engine_name) for s in self.specs]
@@ -100,8 +100,6 @@ def gpu_metrics() -> dict | None:
     """Utilization and memory of this worker's GPU (the first visible one), from NVML; None on
     a CPU worker or without NVML, never an error."""
     try:
-        from distributed.diagnostics import nvml
-
         if nvml.device_get_count() < 1:
             return None
         now, once = nvml.real_time(), nvml.one_time()
@@ -121,9 +119,6 @@ def load_engines(specs: Iterable[EngineSpec], defaults: Mapping | None = None) -
 
     A bi-encoder reranker on the same model as an embed engine shares that engine's weights.
     """
-    from daskllm.engines.reranker import is_cross_encoder
-    from daskllm.models import resolve
-
     engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
     try:
         for spec in sorted(specs, key=lambda s: KINDS.index(s.kind)):
@@ -217,8 +212,6 @@ def get_engine(model: str, kind: str = "llm") -> Engine:
     engines = plugin.engines.get(kind, {})
     engine = engines.get(model)
     if engine is None:
-        from daskllm.models import model_name
-
         engine = engines.get(model_name(model))
     if engine is None and isinstance(plugin, LocalHost):
         return plugin.load(model, kind)
@@ -228,169 +221,15 @@ def get_engine(model: str, kind: str = "llm") -> Engine:
     return engine
 
 
-def generate(model: str, prompts: str | list, params: SamplingParams | None = None) -> Completion | list[Completion]:
-    """Task function: generate on this worker's resident engine (one prompt, or a list together)."""
-    engine = get_engine(model)
-    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
-        return engine.generate(prompts, params)
-    return engine.submit(prompts, params).result()
-
-
-def prefill(model: str, prefix) -> PrefillHandle:
-    """Task function: put ``prefix`` in this worker's prefix cache."""
-    return get_engine(model).prefill(prefix)
-
-
-def engine_stats(dask_worker=None, kind: str = "llm") -> dict[str, dict]:
-    """Counters of a worker's engines of one kind; use with ``client.run(engine_stats)``."""
-    plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME)
-    if plugin is None:
-        return {}
-    return {name: e.stats().as_dict() for name, e in plugin.engines.get(kind, {}).items()}
-
-
-def reset_prefix_caches(dask_worker=None) -> int:
-    """Drop every cached prefix no running request uses; ``client.run(reset_prefix_caches)``."""
-    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else host()
-    return sum(bool(e.reset_prefix_cache()) for e in plugin.engines.get("llm", {}).values()) if plugin else 0
-
-
-def cold_start(client, timeout: float = 30) -> None:
-    """Empty every cache a computation could reuse, for measurements from cold: the result
-    caches of the client and of every worker (nested plans run there) and the workers' prefix
-    caches, once the previous computation's tasks are forgotten (results still held by the
-    scheduler would be reused by an identical graph), until the scheduler's view of the
-    caches is empty too."""
-    from daskllm.rewrite.cache import RESULTS
-
-    def leftovers(dask_scheduler):
-        return sum(1 for ts in dask_scheduler.tasks.values() if not ts.who_wants)
-
-    deadline = time.monotonic() + timeout
-    while client.run_on_scheduler(leftovers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    RESULTS.clear()
-    client.run(_clear_results)
-
-    def reported(dask_scheduler):
-        return sum(len(h) for ws in dask_scheduler.workers.values()
-                   for h in ((ws.metrics or {}).get("daskllm") or {}).get("cache", {}).values())
-
-    deadline = time.monotonic() + timeout
-    while True:
-        client.run(reset_prefix_caches)  # again: a request still running (e.g. cancelled) keeps its blocks
-        if client.run_on_scheduler(reported) == 0:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"prefix caches still reported non-empty after {timeout} s")
-        time.sleep(0.5)
-
-
-def _clear_results() -> None:
-    from daskllm.rewrite.cache import RESULTS
-
-    RESULTS.clear()
-
-
-def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
-    """Which models of one kind each worker of ``client``'s cluster holds right now."""
-
-    def models(dask_worker) -> list[str]:
-        plugin = dask_worker.plugins.get(PLUGIN_NAME)
-        return sorted(plugin.engines.get(kind, {})) if plugin is not None else []
-
-    return client.run(models)
-
-
-class ModelNotServedError(LookupError):
-    """Work names a model that no worker of the cluster holds."""
-
-
-def _submitting_client():
-    """The default client of a script submitting work, or None (no client, an asynchronous
-    one, or code running inside a task, whose plans were checked when the job was submitted)."""
-    try:
-        get_worker()
-        return None
-    except ValueError:
-        pass
-    try:
-        from distributed import default_client
-
-        client = default_client()
-    except ValueError:
-        return None
-    return None if client.asynchronous else client
-
-
-def _workers_info(client) -> list[dict]:
-    try:
-        return list(client.scheduler_info(n_workers=-1)["workers"].values())
-    except TypeError:  # older distributed: every worker without asking
-        return list(client.scheduler_info()["workers"].values())
-
-
-def check_served(needed: Iterable[tuple[str, str]]) -> None:
-    """Raise :class:`ModelNotServedError` if a ``(kind, model)`` in ``needed`` is held by no
-    worker of the current cluster, naming what the workers hold. Asks the scheduler once; does
-    nothing without a client, inside a task, or while no worker reports daskllm engines."""
-    from daskllm.models import model_name
-
-    needed = set(needed)
-    client = _submitting_client() if needed else None
-    if client is None:
-        return
-    held: dict[str, dict[str, int]] = {}
-    reporting = 0
-    for info in _workers_info(client):
-        daskllm_metrics = (info.get("metrics") or {}).get("daskllm")
-        if not daskllm_metrics:
-            continue
-        reporting += 1
-        for kind, names in (daskllm_metrics.get("models") or {}).items():
-            for name in names:
-                held.setdefault(kind, {})[name] = held.get(kind, {}).get(name, 0) + 1
-    if not reporting:
-        return
-    missing = sorted((kind, model) for kind, model in needed if model_name(model) not in held.get(kind, {}))
-    if not missing:
-        return
-    holdings = "; ".join(f"{kind}: " + ", ".join(f"{name} ({count} worker{'s' * (count > 1)})"
-                                                for name, count in sorted(models.items()))
-                         for kind, models in sorted(held.items()) if models) or "nothing"
-    wanted = ", ".join(f"{kind} model {model!r}" for kind, model in missing)
-    names = [model for kind, model in missing if kind == "llm"]
-    hint = (f"; start workers with it (LocalLLMCluster(models={names!r}), or `dask worker ... --preload "
-            f"daskllm.preload --daskllm-model {names[0]}`) or name a model they hold (model=...)" if names
-            else "; start workers with it (LocalLLMCluster(embedders=..., rerankers=...)) or name one they hold")
-    raise ModelNotServedError(f"no worker serves the {wanted}; the cluster's {reporting} worker"
-                              f"{'s hold' if reporting > 1 else ' holds'} {holdings}{hint}")
-
-
-def workers_holding(model: str, kind: str = "llm", memo: dict | None = None) -> int:
-    """How many workers of the current cluster hold ``model`` (1 without a cluster), from the
-    scheduler's view of their heartbeats. With ``memo`` (e.g. one per plan), asked once."""
-    if memo is not None:
-        if (model, kind) not in memo:
-            memo[model, kind] = workers_holding(model, kind)
-        return memo[model, kind]
-    try:
-        from distributed import default_client
-
-        client = default_client()
-    except ValueError:
-        return 1
-    if client.asynchronous:
-        return 1
-    try:
-        workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    except TypeError:
-        workers = client.scheduler_info()["workers"].values()
-    holding = sum(model in ((w.get("metrics") or {}).get("daskllm") or {}).get("models", {}).get(kind, ())
-                  for w in workers)
-    return max(1, holding)
-
-
 def default_num_threads(workers_on_this_machine: int) -> int:
     """torch threads per engine: the machine's cores shared among its workers."""
     return max(1, (os.cpu_count() or 1) // max(1, workers_on_this_machine))
+
+
+def in_worker() -> bool:
+    """Whether this code runs in a task on a Dask worker."""
+    try:
+        get_worker()
+        return True
+    except ValueError:
+        return False

@@ -5,9 +5,11 @@ in ``daskllm.rewrite.passes`` (dask config) in order; a computation can override
 (``node.compute(passes=[...])``, ``daskllm.compute(..., passes=...)``), and users can
 register their own with :func:`register_pass`.
 
-The graph is a networkx DiGraph of :class:`~daskllm.graph.nodes.Node`; passes record their
-decisions as node attributes (``shard_size``, ``prefill``, ``cached``) and what they did in
-``graph.graph["report"]``, which :func:`daskllm.explain` prints.
+The graph is a networkx DiGraph of :class:`~daskllm.plan.ir.Node`; a pass reads the plan's
+options and cluster view from :func:`~daskllm.plan.context.state`, records its decisions
+about a node with :func:`~daskllm.plan.context.decide` (a typed
+:class:`~daskllm.plan.context.NodePlan`) and what it did in ``state(graph).report``, which
+:func:`daskllm.explain` prints.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Protocol
 
 import networkx as nx
 
-from daskllm.rewrite.cache import ResultCache
-from daskllm.rewrite.cse import CommonSubexpressions
-from daskllm.rewrite.pipeline import DecodePipelining
-from daskllm.rewrite.prefix import SharedPrefixPrefill
-from daskllm.rewrite.prune import Prune
-from daskllm.rewrite.stage import StageSplit
+from daskllm.plan.context import state
+from daskllm.plan.passes.cache import ResultCache
+from daskllm.plan.passes.cse import CommonSubexpressions
+from daskllm.plan.passes.pipeline import DecodePipelining
+from daskllm.plan.passes.prefix import SharedPrefixPrefill
+from daskllm.plan.passes.prune import Prune
+from daskllm.plan.passes.stage import StageSplit
 
 
 class Pass(Protocol):
@@ -61,7 +64,7 @@ class PassManager:
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
         for p in self.passes:
             graph = p.run(graph)
-            graph.graph.setdefault("applied", []).append(p.name)
+            state(graph).applied.append(p.name)
         return graph
 
 

@@ -17,6 +17,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from distributed import default_client
+
+from daskllm import config
+from daskllm.worker.host import PLUGIN_NAME, local_host
+
 # Process-wide, not per context: Dask may lower a graph on another thread than the caller's.
 _active: list[Usage] = []
 _lock = threading.Lock()
@@ -94,8 +99,6 @@ class Usage:
                     for k in stats:
                         stats[k] += record.get(k, 0)
         if blocks or tails:
-            from daskllm import config
-
             bs = config.get("engine.block-size")
             for model, per_model in self.models.items():
                 per_model["distinct_prompt_tokens"] = (sum(bs for m, _ in blocks if m == model)
@@ -121,12 +124,8 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
 
 
 def _records_since(started: float) -> dict[str, dict]:
-    from daskllm.worker import local_host
-
     found = _dataframe_records(started, local_host().usage)
     try:
-        from distributed import default_client
-
         client = default_client()
     except ValueError:
         return found
@@ -140,7 +139,7 @@ def _dataframe_records(started: float, usage) -> dict:
 
 
 def _worker_dataframe_records(started, dask_worker=None) -> dict:
-    plugin = dask_worker.plugins.get("daskllm-engines") if dask_worker is not None else None
+    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
     return _dataframe_records(started, plugin.usage) if plugin is not None else {}
 
 
@@ -166,20 +165,12 @@ def note_lowering(lowered) -> None:
             u.requested[op] += n
         for op, n in lowered.report.get("tasks", {}).items():
             u.tasks[op] += n
-        u.task_keys |= set(task_keys(lowered.graph))
-
-
-def task_keys(graph) -> list:
-    return [k for layer in graph.layers.values() for k in layer]
+        u.task_keys |= set(lowered.task_keys())
 
 
 def _records(keys: set) -> dict[str, dict]:
-    from daskllm.worker import local_host
-
     found = {k: v for k, v in local_host().usage.items() if k in keys}
     try:
-        from distributed import default_client
-
         client = default_client()
     except ValueError:
         return found
@@ -193,7 +184,7 @@ def _records(keys: set) -> dict[str, dict]:
 
 
 def _worker_records(keys, dask_worker=None) -> dict:
-    plugin = dask_worker.plugins.get("daskllm-engines") if dask_worker is not None else None
+    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
     if plugin is None:
         return {}
     return {k: plugin.usage[k] for k in keys if k in plugin.usage}

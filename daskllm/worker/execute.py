@@ -1,4 +1,4 @@
-"""The task types: what a lowered prefill, decode, embed, search or rerank task runs.
+"""What a worker runs for each planned task: prefill, decode, embed, search, rerank, pmap.
 
 Each runs on a worker against its resident engines (or, outside a cluster, against
 engines loaded in this process), takes a shard of items, and records what it really
@@ -19,8 +19,17 @@ import numpy as np
 
 from daskllm import config
 from daskllm.engines import PrefillHandle, SamplingParams
-from daskllm.graph.prompt import encode_parts, render_value
-from daskllm.worker import get_engine, host
+from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
+from daskllm.index import merge_hits
+from daskllm.prompts import encode_parts, render_value
+from daskllm.streaming.split import Splitter
+from daskllm.streaming.stages import PmapSpec
+from daskllm.streaming.wire import Source
+from daskllm.worker import calls
+from daskllm.worker.consumer import Consumer
+from daskllm.worker.host import get_engine, host, in_worker
+from daskllm.worker.indexes import search_shard
+from daskllm.worker.streams import StreamWriter, stream_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +71,6 @@ def _record_decode(task_key: str, model: str, completions, **extra) -> None:
 def prompt_blocks(token_ids) -> tuple[list[int], int, int]:
     """A prompt's shape in the prefix tree: its full blocks' chained hashes, and the hash and
     length of its partial last block (what a benchmark needs for the distinct-prefix bound)."""
-    from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
-
     bs = config.get("engine.block-size")
     full = block_hashes(token_ids, bs)
     tail = list(token_ids[len(full) * bs:])
@@ -79,17 +86,15 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list,
     return [c.text for c in completions]
 
 
-def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split, channels: list, items: list,
+def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split: Splitter, channels: list, items: list,
                      *deps) -> list[list]:
     """Generate and split each completion into items; with ``channels`` (the streamed
     consumers of each call), send every item to them the moment it is complete."""
-    from daskllm import streaming
-
     engine = get_engine(model)
     prompts = [_tokens(call, deps, engine) for call in items]
-    writer = streaming.StreamWriter(task_key, channels) if any(channels) and streaming.in_cluster() else None
+    writer = StreamWriter(task_key, channels) if any(channels) and in_worker() else None
     try:
-        completions = streaming.stream_decode(engine, prompts, sampling, split, writer)
+        completions = stream_decode(engine, prompts, sampling, split, writer)
     finally:
         if writer is not None:
             writer.close()
@@ -103,20 +108,18 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split,
     return out
 
 
-def run_pmap(task_key: str, spec, source, source_part, arg_parts: list, *deps) -> list:
+def run_pmap(task_key: str, spec: PmapSpec, source: Source, source_part, arg_parts: list, *deps) -> list:
     """A pmap call: each item of its source through the spec's stages, results in order.
 
     ``source_part`` is the list of items (streamed: None, the items come by queue);
     ``arg_parts`` are the stage arguments.
     """
-    from daskllm import streaming
-
     args = [_value(p, deps) for p in arg_parts]
     items = None if source.producer_key else _value(source_part, deps)
     if items is not None and not isinstance(items, (list, tuple)):
         raise TypeError(f"{task_key}: pmap needs a list of items per call, got {type(items).__name__}")
-    consumer = streaming.Consumer(task_key, spec, source, args, items=None if items is None else list(items))
-    return consumer.run_distributed() if streaming.in_cluster() else consumer.run_local()
+    consumer = Consumer(task_key, spec, source, args, items=None if items is None else list(items))
+    return consumer.run_distributed() if in_worker() else consumer.run_local()
 
 
 def first(value, *_):
@@ -145,14 +148,12 @@ def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillH
 
 def run_embed(task_key: str, model: str, items: list, *deps) -> list[np.ndarray]:
     texts = [render_value(_value(part, deps)) for part in items]
-    vectors = get_engine(model, "embed").embed(texts)
+    vectors = calls.embed(model, texts)
     _record(task_key, "embed", calls=len(texts))
     return list(vectors)
 
 
 def run_search(task_key: str, index_name: str, shard: int, k: int, items: list, *deps) -> list:
-    from daskllm.retrieval import search_shard
-
     vectors = np.stack([np.asarray(_value(part, deps), dtype=np.float32) for part in items])
     hits = search_shard(index_name, shard, vectors, k)
     _record(task_key, "search", calls=len(items))
@@ -160,8 +161,6 @@ def run_search(task_key: str, index_name: str, shard: int, k: int, items: list, 
 
 
 def merge_search(k: int, *per_shard) -> list:
-    from daskllm.index import merge_hits
-
     return merge_hits(per_shard, k)
 
 

@@ -16,10 +16,13 @@ continuation can change (:meth:`PromptTokenizer.stable_prefix`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import string
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from daskllm.models import resolve
 
 SENTINEL = "\x00daskllm-slot-{}\x00"
 
@@ -56,10 +59,6 @@ def tokens(ids, model: str) -> Prompt:
 @functools.cache
 def tokenizer_fingerprint(model: str) -> str:
     """Two models can share token ids only if this matches."""
-    import hashlib
-
-    from daskllm.models import resolve
-
     path = resolve(model)
     files = [path / n for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt") if (path / n).exists()]
     h = hashlib.sha256()
@@ -80,7 +79,7 @@ class Prompt:
         return [s.name for s in self.segments if isinstance(s, Slot)]
 
 
-def _parse_template(template: str) -> list[Segment]:
+def parse_template(template: str) -> list[Segment]:
     segments: list[Segment] = []
     for literal, field, spec, conversion in string.Formatter().parse(template):
         if literal:
@@ -110,7 +109,7 @@ def prompt(*parts, **values) -> Prompt:
                 raise ValueError(f"prompt parts both fill the fields {sorted(clash)}")
             values.update(part.values)
         elif isinstance(part, str):
-            segments.extend(_parse_template(part))
+            segments.extend(parse_template(part))
         else:
             name = f"_part{i}"
             segments.append(Slot(name))
@@ -126,7 +125,7 @@ def chat(messages: list[dict], **values) -> Prompt:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
         content = message["content"]
         if isinstance(content, str):  # a template: its fields are filled from ``values``
-            content = Prompt(tuple(_merge_text(_parse_template(content))), {})
+            content = Prompt(tuple(_merge_text(parse_template(content))), {})
         elif not isinstance(content, Prompt):
             content = prompt(content)
         if any(isinstance(seg, Tokens) for seg in content.segments):
@@ -281,9 +280,7 @@ def tokenizer_for(model: str) -> PromptTokenizer:
 
 @functools.cache
 def _tokenizer_for(model: str) -> PromptTokenizer:
-    from transformers import AutoTokenizer
-
-    from daskllm.models import resolve
+    from transformers import AutoTokenizer  # heavy: loaded with the first tokenizer, not with daskllm
 
     return PromptTokenizer(AutoTokenizer.from_pretrained(resolve(model)))
 

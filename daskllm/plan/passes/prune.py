@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import networkx as nx
 
-from daskllm.graph.prompt import Slot
+from daskllm.ops import task_type
+from daskllm.plan.context import decision, state
+from daskllm.prompts import Slot
 
 
 class Prune:
@@ -19,21 +21,21 @@ class Prune:
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
         edges = 0
         for node in list(graph):
-            if node.op in ("generate", "prefill") and node.template is not None:
+            if task_type(node).prompted and node.template is not None:
                 used = {s.name for s in node.template if isinstance(s, Slot)}
                 for name, producer in node.inputs.items():
                     if name not in used and graph.has_edge(producer, node):
                         graph.remove_edge(producer, node)
                         edges += 1
-            cached = graph.nodes[node].get("cached")
+            cached = decision(graph, node).cached
             if cached is not None and all(c is not None for c in cached):
                 for producer in list(graph.predecessors(node)):
                     graph.remove_edge(producer, node)
                     edges += 1
         needed: set = set()
-        for out in graph.graph["outputs"]:
+        for out in state(graph).outputs:
             needed |= nx.ancestors(graph, out) | {out}
         removed = [n for n in graph if n not in needed]
         graph.remove_nodes_from(removed)
-        graph.graph["report"]["prune"] = {"nodes_removed": len(removed), "edges_removed": edges}
+        state(graph).report["prune"] = {"nodes_removed": len(removed), "edges_removed": edges}
         return graph

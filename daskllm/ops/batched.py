@@ -1,0 +1,24 @@
+"""Lowering shared by the batchable calls: each shard of distinct calls is one task."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dask._task_spec import Task
+
+from daskllm.ops.base import Lowering, TaskAnnotation
+from daskllm.plan.ir import Node
+
+
+def lower_shards(ctx: Lowering, node: Node, task: str, engine: str, fn: Callable, *params) -> None:
+    """One ``fn(key, *params, calls, *deps)`` task per shard; ``params[0]`` is the model."""
+    todo, item_hashes = ctx.todo(node)
+    calls = ctx.calls(node)
+    for shard in ctx.shards(node, todo):
+        key = f"{task}-{ctx.token(node, item_hashes, shard)}"
+        resolved, deps = ctx.resolve([calls[i] for i in shard])
+        args = [r[0] if len(r) == 1 else tuple(r) for r in resolved]
+        ctx.add(task, key, Task(key, fn, key, *params, args, *deps),
+                TaskAnnotation(op=task, engine=engine, model=params[0], shard=len(shard)))
+        ctx.place(node, item_hashes, shard, key)
+    ctx.fill_duplicates(node, item_hashes)

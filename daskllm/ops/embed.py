@@ -1,0 +1,15 @@
+"""``embed``: embedding vectors of texts, on the workers holding the embedding model."""
+
+from __future__ import annotations
+
+from daskllm.ops.base import Lowering, TaskType
+from daskllm.ops.batched import lower_shards
+from daskllm.plan.ir import Node
+from daskllm.worker.execute import run_embed
+
+
+def _lower(ctx: Lowering, node: Node) -> None:
+    lower_shards(ctx, node, EMBED.name, "embed", run_embed, node.params["model"])
+
+
+EMBED = TaskType("embed", _lower, inputs=("text",), engine="embed", calls=True, cacheable=True)

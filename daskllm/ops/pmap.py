@@ -1,0 +1,85 @@
+"""``pmap``: a function over every item of a stream (or list), as items arrive, across workers.
+
+One consumer task per call of its source. Streamed (the pipelining pass), it reads the
+decode's queue and a join task, waiting for both, stands for its value, so the decode always
+runs; unstreamed, it takes the finished list. The lazy work its stages return is planned and
+submitted from the worker by the runtime's ``submit_nested``, with this plan's options and
+cluster view, so nested work is planned the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+from dask._task_spec import Task, TaskRef
+
+from daskllm.ops.base import Lowering, TaskType
+from daskllm.ops.values import input_part
+from daskllm.plan.context import decision
+from daskllm.plan.ir import Dyn, Node, item_of, stable_hash
+from daskllm.streaming.stages import PmapSpec
+from daskllm.streaming.wire import Source
+from daskllm.worker.execute import first, run_pmap
+
+
+def is_pmap(node: Node) -> bool:
+    return node.op == PMAP.name
+
+
+def args(node: Node) -> list[Node]:
+    """A pmap's stage arguments, in order (inputs ``arg0``, ``arg1``, ...)."""
+    return [node.inputs[f"arg{j}"] for j in range(len(node.inputs) - 1)]
+
+
+def source(graph: nx.DiGraph, node: Node) -> Node:
+    """Where a pmap's items come from, once pmaps feeding it are fused into it."""
+    fused_source = decision(graph, node).source
+    return fused_source if fused_source is not None else node.inputs["stream"]
+
+
+def spec_and_args(graph: nx.DiGraph, node: Node) -> tuple[PmapSpec, list[Node]]:
+    plan = decision(graph, node)
+    return (plan.spec, list(plan.args)) if plan.spec is not None else (node.value, args(node))
+
+
+def task_key(ctx: Lowering, node: Node, i: int, *inputs: str) -> str:
+    # What the task reads (a stream from its decode, or its inputs' task keys) and the
+    # rewrite settings its nested work is planned with are part of the key: the same pmap
+    # planned otherwise is another task, never one key with two specs.
+    return f"{PMAP.name}-{stable_hash(node.hash, i, ctx.options.settings, *inputs)}"
+
+
+def _call_parts(graph: nx.DiGraph, node: Node, i: int) -> list:
+    src = node.inputs["stream"]
+    return [Dyn(src, item_of(src, i)), *(input_part(node, f"arg{j}", i) for j in range(len(node.inputs) - 1))]
+
+
+def _lower(ctx: Lowering, node: Node) -> None:
+    src = source(ctx.graph, node)
+    spec, stage_args = spec_and_args(ctx.graph, node)
+    nested = dataclasses.replace(ctx.options, results=None)  # the worker uses its own result store
+    spec = dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view))
+    streamed = decision(ctx.graph, node).streamed
+    ctx.count_requested(PMAP.name, node.n)
+    ctx.loc[node] = []
+    for i in range(node.n):
+        arg_parts = [Dyn(a, item_of(a, i)) for a in stage_args]
+        where = ctx.loc[src][item_of(src, i)]
+        if streamed and where[0] != "const":  # a cached decode has nothing to stream
+            producer_key, pos = where
+            key = task_key(ctx, node, i, producer_key)
+            stream = Source(producer_key, pos, src.params["sampling"].deterministic)
+            resolved, deps = ctx.resolve([arg_parts])
+            ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, stream, None, resolved[0], *deps))
+            join = f"stream-{key}"
+            ctx.add(PMAP.name, join, Task(join, first, TaskRef(key), TaskRef(producer_key)))
+            ctx.loc[node].append((join, None))
+        else:
+            resolved, deps = ctx.resolve([[Dyn(src, item_of(src, i)), *arg_parts]])
+            key = task_key(ctx, node, i, "unstreamed", *sorted(str(d.key) for d in deps))
+            ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, Source(), resolved[0][0], resolved[0][1:], *deps))
+            ctx.loc[node].append((key, None))
+
+
+PMAP = TaskType("pmap", _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True)

@@ -1,0 +1,88 @@
+"""``prefill``: warm an engine's prefix cache; the value is a small handle, never KV tensors.
+
+A user's ``daskllm.prefill(prefix)`` lowers to one task per call. The shared-prefix pass makes
+prefill nodes of its own (``params["tokens"]``): a shared prefix gets one copy per worker
+holding the model (Halo's replication; decode shards take the copies in turn), and the
+prefixes a decode shard's waiting calls already know are prefilled by one task placed with
+that shard (Teola's partial prefill).
+"""
+
+from __future__ import annotations
+
+import os
+
+from dask._task_spec import Task
+
+from daskllm.ops.base import Lowering, TaskAnnotation, TaskType
+from daskllm.plan.ir import Node, stable_hash
+from daskllm.worker.execute import run_prefill, run_prefill_many
+
+TASK = "prefill"
+
+
+def prompt_annotation(ctx: Lowering, task: str, model: str, prefixes: list[tuple[int, ...]], max_tokens: int,
+                      shard: int) -> TaskAnnotation:
+    """What placement needs to know about a task of prompted calls: the prefix they share, their work."""
+    common = tuple(os.path.commonprefix(prefixes)) if prefixes else ()
+    return TaskAnnotation(op=task, engine="llm", model=model, prefix=ctx.prefix_hashes(common),
+                          prompt_tokens=sum(len(p) for p in prefixes), max_tokens=max_tokens * shard, shard=shard)
+
+
+def shared(model: str, tokens: tuple[int, ...], *, partial: bool = False) -> Node:
+    """A prefill of known tokens, made by the shared-prefix pass; ``partial``: what one waiting call knows."""
+    return Node(PREFILL.name, params={"model": model, "tokens": tokens, **({"partial": True} if partial else {})})
+
+
+def is_pass_made(node: Node) -> bool:
+    return node.op == PREFILL.name and "tokens" in node.params
+
+
+def is_partial(node: Node) -> bool:
+    return bool(node.params.get("partial"))
+
+
+def _lower(ctx: Lowering, node: Node) -> None:
+    if is_pass_made(node):  # its copies are made as decode shards ask (replica, partial)
+        ctx.loc[node] = [None]
+        return
+    model = node.params["model"]
+    ctx.loc[node] = []
+    item_hashes = ctx.call_hashes(node)
+    for i, call in enumerate(ctx.calls(node)):
+        key = f"{TASK}-{item_hashes[i]}"
+        resolved, deps = ctx.resolve([call.parts])
+        ctx.add(TASK, key, Task(key, run_prefill, key, model, (call.special, resolved[0]), *deps),
+                prompt_annotation(ctx, TASK, model, [call.known], 0, 1))
+        ctx.loc[node].append((key, None))
+
+
+def replica(ctx: Lowering, pre: Node, shard_number: int) -> str:
+    """The key of the copy of a shared prefill that decode shard ``shard_number`` waits for."""
+    model, tokens = pre.params["model"], pre.params["tokens"]
+    copy = shard_number % _replicas(ctx, model)
+    key = f"{TASK}-{stable_hash(model, tokens)}-r{copy}"
+    if not ctx.has(key):
+        ctx.add(TASK, key, Task(key, run_prefill, key, model, (True, [tokens])),
+                prompt_annotation(ctx, TASK, model, [tokens], 0, 1))
+        if copy:  # a copy on another worker: prefill work above the single-engine bound
+            ctx.memo["prefill_replica_tokens"] = ctx.memo.get("prefill_replica_tokens", 0) + len(tokens)
+    return key
+
+
+def partials(ctx: Lowering, model: str, prefills: list[Node]) -> str:
+    """One task prefilling what a decode shard's waiting calls already know: it is placed
+    (and its blocks cached) where the shard will run, and costs one task, not one per call."""
+    tokens = sorted({p.params["tokens"] for p in prefills})
+    key = f"{TASK}-{stable_hash(model, tokens)}"
+    if not ctx.has(key):
+        ctx.add(TASK, key, Task(key, run_prefill_many, key, model, tokens),
+                prompt_annotation(ctx, TASK, model, tokens, 0, len(tokens)))
+    return key
+
+
+def _replicas(ctx: Lowering, model: str) -> int:
+    setting = ctx.options.prefill_replicas
+    return max(1, int(setting)) if setting != "auto" else ctx.view.holding(model, "llm")
+
+
+PREFILL = TaskType("prefill", _lower, engine="llm", calls=True, prompted=True)

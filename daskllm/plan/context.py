@@ -1,0 +1,159 @@
+"""The planner's typed inputs and the decisions passes record.
+
+Planning is a pure function of the requested nodes, a :class:`PlanOptions` and a
+:class:`ClusterView`. The runtime takes both once per submission (from dask config and one
+question to the scheduler) and they are part of the plan-cache key, so a plan never
+outlives the settings or the workers it was made for. Passes record what they decide about
+a node in its :class:`NodePlan` (one frozen record per node, replaced, never mutated) and
+what they did in the plan's report, which :func:`daskllm.explain` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import networkx as nx
+
+from daskllm.models import model_name
+from daskllm.plan.ir import Node
+
+
+class ResultLookup(Protocol):
+    """Remembered results by call hash (:class:`daskllm.worker.results.ResultStore`)."""
+
+    version: int
+
+    def get(self, key: str) -> Any: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """What the planner may know about the cluster, frozen at submission: which workers hold
+    which models. Resident prefixes and load change by the millisecond and are the placement
+    plugin's business, on the scheduler; none of it is a planning input.
+
+    ``holders``: ``((engine kind, model name), number of workers holding it)``, sorted.
+    ``on_cluster``: work runs on a distributed cluster (streams need one; the local
+    schedulers compute pmaps over finished lists).
+    """
+
+    on_cluster: bool = False
+    holders: tuple[tuple[tuple[str, str], int], ...] = ()
+    reporting: int = 0  # workers that report daskllm engines at all
+
+    def holding(self, model: str, kind: str = "llm") -> int:
+        """Workers holding ``model`` (by recipe name or path); at least 1, so shard sizes stay defined."""
+        return max(1, dict(self.holders).get((kind, model_name(model)), 0))
+
+    def held(self) -> dict[str, dict[str, int]]:
+        """engine kind -> model -> workers holding it."""
+        out: dict[str, dict[str, int]] = {}
+        for (kind, model), count in self.holders:
+            out.setdefault(kind, {})[model] = count
+        return out
+
+
+LOCAL = ClusterView()
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The rewrite settings of one computation (``daskllm.rewrite.*`` and the block size).
+
+    ``results`` is where the ``cache`` pass looks calls up (compared by its ``version``);
+    ``submit_nested`` is the runtime's function a pmap task uses on its worker to plan and
+    submit the work its items return (handed down, so the planner imports no runtime).
+    """
+
+    passes: tuple = ("cse", "cache", "prune", "prefix", "pipeline", "stage")
+    granularity: str = "shard"
+    result_cache: bool = True
+    stage_size: tuple[tuple[str, int], ...] = ()
+    prefix_min_tokens: int = 32
+    prefill_replicas: int | str = "auto"
+    block_size: int = 16
+    settings: tuple = ()  # every rewrite setting, as sorted items: travels with pmaps for their nested plans
+    results: ResultLookup | None = field(default=None, compare=False)
+    submit_nested: Callable | None = field(default=None, compare=False)
+
+    @property
+    def cache_key(self) -> tuple:
+        return (self.passes, self.granularity, self.result_cache, self.stage_size, self.prefix_min_tokens,
+                self.prefill_replicas, self.block_size, self.settings,
+                self.results.version if self.results is not None else None)
+
+    @classmethod
+    def from_settings(cls, rewrite: Mapping, block_size: int, **extra) -> PlanOptions:
+        """From the ``daskllm.rewrite`` config section (a mapping of its keys)."""
+        passes = tuple(rewrite.get("passes", cls.passes))
+        if not rewrite.get("result-cache", True):
+            passes = tuple(p for p in passes if p != "cache")
+        return cls(passes=passes, granularity=rewrite.get("granularity", "shard"),
+                   result_cache=bool(rewrite.get("result-cache", True)),
+                   stage_size=tuple(sorted((op, int(n)) for op, n in (rewrite.get("stage-size") or {}).items() if n)),
+                   prefix_min_tokens=int(rewrite.get("prefix-min-tokens", 32)),
+                   prefill_replicas=rewrite.get("prefill-replicas", "auto"), block_size=int(block_size),
+                   settings=tuple(sorted((k, _frozen(v)) for k, v in rewrite.items())), **extra)
+
+    def stage_sizes(self) -> dict[str, int]:
+        return dict(self.stage_size)
+
+
+def _frozen(value):
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """What the passes decided about one node.
+
+    ``cached``: per call, its remembered result or None (cache pass). ``prefills``: per call,
+    the prefill node its decode waits for, or None (prefix pass). ``shard_size``: calls per
+    task (stage pass). ``source``/``stages``/``args``: a pmap's source after fusing the pmaps
+    feeding it, its fused spec and stage arguments; ``streamed``: it reads its source's
+    stream (pipeline pass).
+    """
+
+    cached: tuple | None = None
+    prefills: tuple | None = None
+    shard_size: int | None = None
+    source: Node | None = None
+    spec: Any = None
+    args: tuple = ()
+    streamed: bool = False
+
+
+@dataclass
+class PlanState:
+    """The plan being made: its outputs and inputs, the passes applied, and their report."""
+
+    outputs: list[Node]
+    options: PlanOptions
+    view: ClusterView
+    report: dict = field(default_factory=dict)
+    applied: list[str] = field(default_factory=list)
+    dedupe: bool = False  # identical calls are one physical call (the cse pass)
+
+
+def state(graph: nx.DiGraph) -> PlanState:
+    return graph.graph["state"]
+
+
+def decision(graph: nx.DiGraph, node: Node) -> NodePlan:
+    return graph.nodes[node].get("plan") or NodePlan()
+
+
+def decide(graph: nx.DiGraph, node: Node, **changes) -> NodePlan:
+    """Record a pass's decision about ``node``."""
+    plan = dataclasses.replace(decision(graph, node), **changes)
+    graph.nodes[node]["plan"] = plan
+    return plan

@@ -1,0 +1,75 @@
+"""The planner's view of the cluster, taken once per submission; and the check that its models are served."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from distributed import default_client
+
+from daskllm.models import model_name
+from daskllm.plan.context import LOCAL, ClusterView
+from daskllm.worker.host import in_worker
+
+
+class ModelNotServedError(LookupError):
+    """Work names a model that no worker of the cluster holds."""
+
+
+def current_client():
+    """The client work would be submitted with (Dask's default), or None."""
+    try:
+        return default_client()
+    except ValueError:
+        return None
+
+
+def take_view(client=None) -> ClusterView:
+    """What the workers of ``client``'s cluster hold, from the scheduler's view of their
+    heartbeats (one round trip). Without a client: the local view. An asynchronous client
+    cannot be asked from synchronous planning: on a cluster, holdings unknown."""
+    client = client if client is not None else current_client()
+    if client is None:
+        return LOCAL
+    if client.asynchronous:
+        return ClusterView(on_cluster=True)
+    holders: Counter = Counter()
+    reporting = 0
+    for info in _workers_info(client):
+        metrics = (info.get("metrics") or {}).get("daskllm")
+        if not metrics:
+            continue
+        reporting += 1
+        for kind, names in (metrics.get("models") or {}).items():
+            holders.update((kind, model_name(name)) for name in set(names))
+    return ClusterView(on_cluster=True, holders=tuple(sorted(holders.items())), reporting=reporting)
+
+
+def _workers_info(client) -> list[dict]:
+    try:
+        return list(client.scheduler_info(n_workers=-1)["workers"].values())
+    except TypeError:  # older distributed: every worker without asking
+        return list(client.scheduler_info()["workers"].values())
+
+
+def check_served(view: ClusterView, needed: Iterable[tuple[str, str]]) -> None:
+    """Raise :class:`ModelNotServedError` if a ``(kind, model)`` in ``needed`` is held by no
+    worker in ``view``, naming what the workers hold. Does nothing inside a task (its job was
+    checked when it was submitted) or while no worker reports daskllm engines."""
+    if not view.reporting or in_worker():
+        return
+    held = view.held()
+    missing = sorted((kind, model) for kind, model in set(needed) if model_name(model) not in held.get(kind, {}))
+    if not missing:
+        return
+    holdings = "; ".join(f"{kind}: " + ", ".join(f"{name} ({count} worker{'s' * (count > 1)})"
+                                                for name, count in sorted(models.items()))
+                         for kind, models in sorted(held.items()) if models) or "nothing"
+    wanted = ", ".join(f"{kind} model {model!r}" for kind, model in missing)
+    names = [model for kind, model in missing if kind == "llm"]
+    hint = (f"; start workers with it (LocalLLMCluster(models={names!r}), or `dask worker ... --preload "
+            f"daskllm.preload --daskllm-model {names[0]}`) or name a model they hold (model=...)" if names
+            else "; start workers with it (LocalLLMCluster(embedders=..., rerankers=...)) or name one they hold")
+    reporting = view.reporting
+    raise ModelNotServedError(f"no worker serves the {wanted}; the cluster's {reporting} worker"
+                              f"{'s hold' if reporting > 1 else ' holds'} {holdings}{hint}")

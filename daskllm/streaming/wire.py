@@ -1,0 +1,47 @@
+"""The stream wire format, shared by the decode side, the consumer side and the janitor.
+
+Envelopes ``("item", ancestry, index, payload, run)``, then ``("end", ancestry, count, None,
+run)``; ``("error", ancestry, message, None, run)`` if the decode fails. Payloads are pickled
+and small; one above ``daskllm.streaming.inline-bytes`` goes as a future put on the queue just
+before its envelope (the queue goes through the scheduler). ``run`` tells a recomputed
+decode (its worker died) from the first.
+
+Queues are named ``daskllm-stream/<decode key>/<position>/<consumer key>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUEUE_PREFIX = "daskllm-stream/"
+
+
+def queue_name(producer_key: str, pos: int, consumer_key: str) -> str:
+    return f"{QUEUE_PREFIX}{producer_key}/{pos}/{consumer_key}"
+
+
+def parse_queue_name(name: str) -> tuple[str, str] | None:
+    if not isinstance(name, str) or not name.startswith(QUEUE_PREFIX):
+        return None
+    producer, _, rest = name[len(QUEUE_PREFIX):].partition("/")
+    _, _, consumer = rest.partition("/")
+    return producer, consumer
+
+
+def stream_id(producer_key: str, pos: int) -> str:
+    return f"{producer_key[:20]}:{pos}"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a pmap's items come from: a value (the list) or a streamed decode's queue."""
+
+    producer_key: str | None = None  # streamed: the decode task
+    pos: int = 0  # the call's position in that task's shard
+    deterministic: bool = True
+
+
+def stream_queues(dask_scheduler=None) -> list[str]:
+    """Names of the stream queues on the scheduler (for tests and monitoring: ``client.run_on_scheduler``)."""
+    ext = dask_scheduler.extensions.get("queues")
+    return sorted(n for n in (ext.queues if ext else {}) if isinstance(n, str) and n.startswith(QUEUE_PREFIX))

@@ -1,0 +1,37 @@
+"""Functions a client runs on every worker (``client.run``): counters, cache resets, holdings."""
+
+from __future__ import annotations
+
+from distributed import get_worker
+
+from daskllm.worker.host import PLUGIN_NAME, host
+from daskllm.worker.results import RESULTS
+
+
+def engine_stats(dask_worker=None, kind: str = "llm") -> dict[str, dict]:
+    """Counters of a worker's engines of one kind; use with ``client.run(engine_stats)``."""
+    plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        return {}
+    return {name: e.stats().as_dict() for name, e in plugin.engines.get(kind, {}).items()}
+
+
+def reset_prefix_caches(dask_worker=None) -> int:
+    """Drop every cached prefix no running request uses; ``client.run(reset_prefix_caches)``."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else host()
+    return sum(bool(e.reset_prefix_cache()) for e in plugin.engines.get("llm", {}).values()) if plugin else 0
+
+
+def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
+    """Which models of one kind each worker of ``client``'s cluster holds right now."""
+
+    def models(dask_worker) -> list[str]:
+        plugin = dask_worker.plugins.get(PLUGIN_NAME)
+        return sorted(plugin.engines.get(kind, {})) if plugin is not None else []
+
+    return client.run(models)
+
+
+def clear_results() -> None:
+    """Forget this process's remembered results (nested plans run on workers use them)."""
+    RESULTS.clear()

@@ -1,0 +1,50 @@
+"""Remembered results (Helium's prompt cache): deterministic calls computed before, by hash.
+
+Results of the requested outputs' deterministic calls (greedy, or sampled with a seed) are
+remembered under their structural hash, in a size-bounded LRU, in the process that
+submitted them: the client, or a worker whose task planned nested work. The planner's
+``cache`` pass looks calls up here (it is handed this store); a sampled call without a seed
+is never remembered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from daskllm import config
+
+
+class ResultStore:
+    def __init__(self):
+        self._data: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.version = 0  # changes whenever the contents do: plans made before are stale
+
+    def get(self, key: str):
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                return self._data[key]
+        return None
+
+    def put(self, key: str, value) -> None:
+        limit = int(config.get("rewrite.result-cache-size"))
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > limit:
+                self._data.popitem(last=False)
+            self.version += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.version += 1
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+# This process's store.
+RESULTS = ResultStore()

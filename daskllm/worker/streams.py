@@ -1,0 +1,108 @@
+"""The decode side of a stream: each complete item goes to its consumers' queues at once.
+
+With the decode-pipelining pass on, a split decode emits every complete item through a
+``distributed.Queue`` as soon as its tokens are decoded (Alto's streaming, Teola's partial
+decoding); the consumer (:mod:`daskllm.worker.consumer`) starts that item's work right away.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue as queue_mod
+import uuid
+
+from distributed import Queue, get_client
+
+from daskllm import config
+from daskllm.streaming.split import ItemEmitter, Splitter
+from daskllm.streaming.wire import queue_name, stream_id
+
+class StreamWriter:
+    """The decode side: sends each call's new items to its consumers' queues.
+
+    A queue that is gone (its consumer finished or was cancelled) is dropped silently: the
+    decode still returns its full result.
+    """
+
+    def __init__(self, task_key: str, channels: list[list[str]]):
+        self.client = get_client()
+        self.run = uuid.uuid4().hex[:8]
+        self.inline = int(config.get("streaming.inline-bytes"))
+        self.task_key = task_key
+        self.queues: dict[int, list] = {}
+        for pos, consumers in enumerate(channels):
+            self.queues[pos] = [q for q in (self._open(queue_name(task_key, pos, c)) for c in consumers) if q]
+
+    def _open(self, name: str):
+        try:
+            return Queue(name, client=self.client)
+        except Exception:  # noqa: BLE001 - scheduler unreachable: the consumer falls back to the result
+            return None
+
+    def _put(self, pos: int, envelope: tuple, future=None) -> None:
+        for q in list(self.queues.get(pos, ())):
+            try:
+                if future is not None:
+                    q.put(future)
+                q.put(list(envelope))
+            except Exception:  # noqa: BLE001 - queue deleted: nobody listens any more
+                self.queues[pos].remove(q)
+
+    def item(self, pos: int, index: int, value) -> None:
+        payload = pickle.dumps(value, protocol=5)
+        ancestry = stream_id(self.task_key, pos)
+        if len(payload) > self.inline:
+            [future] = self.client.scatter([value], hash=False)
+            self._put(pos, ("ref", ancestry, index, future.key, self.run), future)
+        else:
+            self._put(pos, ("item", ancestry, index, payload, self.run))
+
+    def end(self, pos: int, count: int) -> None:
+        self._put(pos, ("end", stream_id(self.task_key, pos), count, None, self.run))
+
+    def error(self, message: str) -> None:
+        for pos in self.queues:
+            self._put(pos, ("error", stream_id(self.task_key, pos), message, None, self.run))
+
+    def close(self) -> None:
+        for qs in self.queues.values():
+            for q in qs:
+                try:
+                    q.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        self.queues = {}
+
+
+def stream_decode(engine, prompts: list, sampling, split: Splitter, writer: StreamWriter | None) -> list:
+    """Generate for ``prompts`` together; send items as they complete. Returns the completions."""
+    if writer is None:
+        return engine.generate(prompts, sampling)
+    deltas: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    futures = []
+    try:
+        for pos, p in enumerate(prompts):
+            # Engine callbacks only enqueue: queue round trips must not slow the engine loop.
+            futures.append(engine.submit(p, sampling, on_text=lambda d, pos=pos: deltas.put((pos, d))))
+            futures[-1].add_done_callback(lambda _, pos=pos: deltas.put((pos, None)))
+        texts = [""] * len(prompts)
+        emitters = [ItemEmitter(split, lambda i, v, pos=pos: writer.item(pos, i, v)) for pos in range(len(prompts))]
+        open_ = len(prompts)
+        while open_:
+            pos, delta = deltas.get()
+            if delta is None:
+                open_ -= 1
+                continue
+            texts[pos] += delta
+            try:
+                emitters[pos].update(texts[pos])
+            except ValueError:
+                pass  # the final check below reports it, with the whole text
+        completions = [f.result() for f in futures]
+        for pos, c in enumerate(completions):
+            items = emitters[pos].update(c.text, final=True)
+            writer.end(pos, len(items))
+        return completions
+    except BaseException as exc:
+        writer.error(f"{type(exc).__name__}: {exc}")
+        raise
