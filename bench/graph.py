@@ -9,9 +9,9 @@ What it measures:
    ``generate`` calls on model ``tiny``, each prompt template (a ~40-token instruction) filled
    by the previous step's output, the first from a list of distinct questions. For each of
    ``--sizes`` queries it times, separately: building the nodes (``daskllm.generate`` /
-   ``daskllm.prompt``), planning (``daskllm.graph.lower.plan``: the IR graph and every rewrite
+   ``daskllm.prompt``), planning (``daskllm.plan.planner.optimize``: the IR graph and every rewrite
    pass, each timed on its own) and lowering (``_Lowering(graph).run()``), which together are
-   exactly what ``daskllm.graph.lower.plan([node])`` does. Nothing is executed: only the
+   exactly what ``daskllm.runtime.submit.plan([node])`` does. Nothing is executed: only the
    tokenizer is loaded. Before each repetition the lowering memo (``_lowered_cache``), the
    result cache and the client-side tokenizer memo (``PromptTokenizer.encode``) are cleared,
    so every repetition plans from cold, as a first ``compute`` would. Once per size the same

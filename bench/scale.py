@@ -6,7 +6,7 @@
 1. **Planning.** Halo's W5 (three judges on one model, an aggregator on another) at
    ``--plan-sizes`` queries, and W5 extended to ``--operators`` operators (rounds of three
    judges and an aggregator, each round reading the last decision) at the first size: the
-   time to build the nodes and to plan and lower them (``daskllm.graph.lower.lowered``:
+   time to build the nodes and to plan and lower them (``daskllm.runtime.submit.plan``:
    every rewrite pass and the Dask graph), and the tasks that makes. Nothing runs; only the
    tokenizer is loaded. Cold: the lowering memo and result cache are cleared first.
 2. **Throughput.** ``--run-queries`` queries through Halo's W2 on a ``--workers``-worker

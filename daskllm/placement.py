@@ -32,15 +32,17 @@ import os
 from collections import Counter, defaultdict, deque
 from typing import NamedTuple
 
+from dask._task_spec import Task
 from distributed import SchedulerPlugin
 
 from daskllm import config
+from daskllm.annotations import DECODE_TASK, PREFILL_TASK, TaskAnnotation
+from daskllm.models import model_name
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskllm-placement"
 POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_affinity", "off")
-KIND_OF_OP = {"prefill": "llm", "decode": "llm", "embed": "embed", "rerank": "rerank"}
 EVENT_TOPIC = "daskllm-placement"
 
 
@@ -96,8 +98,6 @@ class PlacementPlugin(SchedulerPlugin):
                 self.advertised[msg["worker"]][kind] = set(names)
 
     def _holders(self, scheduler, kind: str, model: str) -> list[str]:
-        from daskllm.models import model_name
-
         model = model_name(model)  # a task may name a model by path; workers by name
         out = []
         for address, ws in scheduler.workers.items():
@@ -128,24 +128,27 @@ class PlacementPlugin(SchedulerPlugin):
             logger.exception("daskllm placement failed")
             scheduler.log_event(EVENT_TOPIC, {"action": "error", "error": repr(exc), "tasks": len(ours)})
 
-    def _place(self, scheduler, ours: dict) -> None:
-        tasks = {}
-        for key, ann in ours.items():
+    def _place(self, scheduler, raw: dict) -> None:
+        tasks, parsed = {}, {}
+        for key, ann in raw.items():
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state not in ("released", "waiting"):
                 continue
-            if not _valid(ann):
+            try:
+                parsed[key] = TaskAnnotation.from_dict(ann)
+            except (TypeError, ValueError) as exc:
                 scheduler.log_event(EVENT_TOPIC, {"action": "malformed-annotation", "key": str(key),
-                                                  "annotation": repr(ann)[:200]})
+                                                  "annotation": repr(ann)[:200], "error": str(exc)})
                 self.decisions["fallback"] += 1
                 continue
             tasks[key] = ts
+        ours = parsed
         depth = _depths(tasks)
         order = sorted(tasks, key=lambda k: (depth[k], tasks[k].priority))  # dependencies before dependents
         self._plan = self._plan_prefix_groups(scheduler, [k for k in order if k in tasks], tasks, ours) \
             if self.policy == "cache_aware" else {}
         for key in order:
-            if ours[key]["op"] in KIND_OF_OP:
+            if ours[key].engine is not None:
                 self._place_one(scheduler, key, tasks[key], ours[key])
         self._plan = {}
         self._prioritize(tasks, ours, depth)
@@ -161,10 +164,10 @@ class PlacementPlugin(SchedulerPlugin):
         groups: dict[tuple[str, str], list] = defaultdict(list)
         for key in order:
             ann = ours[key]
-            prefix = ann.get("prefix") or []
-            fed_by_prefill = any(d.key in ours and ours[d.key].get("op") == "prefill" for d in tasks[key].dependencies)
-            if ann["op"] == "decode" and prefix and not fed_by_prefill:
-                groups[(ann["model"], prefix[0])].append(key)
+            prefix = ann.prefix
+            fed_by_prefill = any(d.key in ours and ours[d.key].op == PREFILL_TASK for d in tasks[key].dependencies)
+            if ann.op == DECODE_TASK and prefix and not fed_by_prefill:
+                groups[(ann.model, prefix[0])].append(key)
         plan: dict = {}
         by_model: dict[str, list] = defaultdict(list)
         for (model, _), keys in groups.items():
@@ -176,27 +179,25 @@ class PlacementPlugin(SchedulerPlugin):
             load = {w: float(self.queued[w]) for w in candidates}
             holds: dict[str, set[str]] = {w: set() for w in candidates}
             # What a group's calls really share: the common part of their prefix chains.
-            shared = {keys[0]: len(os.path.commonprefix([ours[k]["prefix"] for k in keys])) * self.block_size
+            shared = {keys[0]: len(os.path.commonprefix([ours[k].prefix for k in keys])) * self.block_size
                       for keys in model_groups}
             group_of = {k: keys[0] for keys in model_groups for k in keys}
 
             def cost(key, w):
                 ann = ours[key]
-                calls = int(ann.get("shard", 1))
-                cached = self._cached_tokens(w, model, ann["prefix"])
-                if ann["prefix"][0] in holds[w]:
+                cached = self._cached_tokens(w, model, ann.prefix)
+                if ann.prefix[0] in holds[w]:
                     cached = max(cached, shared[group_of[key]])
-                return max(calls, ann["prompt_tokens"] + ann["max_tokens"] - calls * cached)
+                return max(ann.shard, ann.prompt_tokens + ann.max_tokens - ann.shard * cached)
 
             def reused(key):  # a call's work once its worker holds the group's prefix
                 ann = ours[key]
-                calls = int(ann.get("shard", 1))
-                return max(calls, ann["prompt_tokens"] + ann["max_tokens"] - calls * shared[group_of[key]])
+                return max(ann.shard, ann.prompt_tokens + ann.max_tokens - ann.shard * shared[group_of[key]])
 
             total = sum(cost(keys[0], candidates[0]) + sum(reused(k) for k in keys[1:]) for keys in model_groups)
             cap = (sum(load.values()) + total) / len(candidates) * (1 + self.balance_ratio)
             for keys in sorted(model_groups, key=len, reverse=True):
-                prefix = ours[keys[0]]["prefix"]
+                prefix = ours[keys[0]].prefix
                 pending = list(keys)
                 while pending:
                     # The worker holding the prefix while it has room, else the least loaded;
@@ -214,12 +215,10 @@ class PlacementPlugin(SchedulerPlugin):
                             break
         return plan
 
-    def _place_one(self, scheduler, key, ts, ann: dict) -> None:
-        kind, model = KIND_OF_OP[ann["op"]], ann["model"]
+    def _place_one(self, scheduler, key, ts, ann: TaskAnnotation) -> None:
+        kind, model = ann.engine, ann.model
         candidates = self._holders(scheduler, kind, model)
         if not candidates:
-            from dask._task_spec import Task
-
             message = f"no worker holds the {kind} model {model!r} (task {key})"
             ts.run_spec = Task(key, _raise, message)
             scheduler.log_event(EVENT_TOPIC, {"action": "no-worker-for-model", "key": str(key), "model": model})
@@ -231,17 +230,17 @@ class PlacementPlugin(SchedulerPlugin):
                 self.decisions["user"] += 1
                 return
             candidates = allowed
-        prefix = ann.get("prefix") or []
-        tokens = int(ann.get("prompt_tokens", 0)) + int(ann.get("max_tokens", 0))
-        calls = int(ann.get("shard", 1))
-        worker, reason = self._choose(candidates, ann["op"], model, prefix, tokens, ts, calls)
-        if ann["op"] == "decode":  # the work it adds there: what the cache does not serve
+        prefix = list(ann.prefix)
+        tokens = ann.prompt_tokens + ann.max_tokens
+        calls = ann.shard
+        worker, reason = self._choose(candidates, ann.op, model, prefix, tokens, ts, calls)
+        if ann.op == DECODE_TASK:  # the work it adds there: what the cache does not serve
             tokens = max(calls, tokens - calls * self._cached_tokens(worker, model, prefix))
         ts.worker_restrictions = {worker}
         ts.loose_restrictions = False  # hard: stealing must not move it away; remove_worker re-places
-        self._record(key, Placed(worker, tokens, model, prefix, ann["op"]))
+        self._record(key, Placed(worker, tokens, model, prefix, ann.op))
         self.decisions[reason] += 1
-        self.recent.append({"key": str(key), "op": ann["op"], "worker": worker, "reason": reason,
+        self.recent.append({"key": str(key), "op": ann.op, "worker": worker, "reason": reason,
                             "cached": {w: self._cached_tokens(w, model, prefix) for w in candidates},
                             "queued": {w: self.queued[w] for w in candidates}})
 
@@ -256,7 +255,7 @@ class PlacementPlugin(SchedulerPlugin):
         if self.policy == "least_loaded":
             return min(candidates, key=lambda w: (self.queued[w], w)), "balance"
         cached = {w: self._cached_tokens(w, model, prefix) for w in candidates}
-        if op == "prefill":
+        if op == PREFILL_TASK:
             # Copies of one prefix go to different workers (their consumers spread with them);
             # among the rest, where the prefix may already be (then it is nearly free), then load.
             coming = {w: bool(prefix) and all(self.inflight[w][model][h] for h in prefix) for w in candidates}
@@ -267,7 +266,7 @@ class PlacementPlugin(SchedulerPlugin):
         # report says.
         saved = {w: calls * cached[w] for w in candidates}
         prefill_workers = {self.placed[d.key].worker for d in ts.dependencies
-                           if d.key in self.placed and self.placed[d.key].op == "prefill"}
+                           if d.key in self.placed and self.placed[d.key].op == PREFILL_TASK}
         whole = calls * len(prefix) * self.block_size
         for w in prefill_workers & set(candidates):
             saved[w] = max(saved[w], whole) + whole  # the prefix it will hold, and the prefill not wasted
@@ -305,7 +304,7 @@ class PlacementPlugin(SchedulerPlugin):
         """Deeper tasks first; among equals, calls sharing a prefix back to back."""
         if not tasks:
             return
-        ranked = sorted(tasks, key=lambda k: (-depth[k], (ours[k].get("prefix") or [""])[0], tasks[k].priority))
+        ranked = sorted(tasks, key=lambda k: (-depth[k], (ours[k].prefix or ("",))[0], tasks[k].priority))
         for rank, key in enumerate(ranked):
             ts = tasks[key]
             ts.priority = (*ts.priority[:-1], rank) if ts.priority else (0, 0, rank)
@@ -370,18 +369,14 @@ class PlacementPlugin(SchedulerPlugin):
 
     def _replacement(self, scheduler, ts, gone: str) -> str | None:
         """The least loaded worker holding the task's model; None for a task naming none."""
-        ann = (ts.annotations or {}).get("daskllm")
-        if not (_valid(ann) and ann["op"] in KIND_OF_OP):
+        try:
+            ann = TaskAnnotation.from_dict((ts.annotations or {}).get("daskllm"))
+        except (TypeError, ValueError):
             return None
-        holders = [w for w in self._holders(scheduler, KIND_OF_OP[ann["op"]], ann["model"]) if w != gone]
+        if ann.engine is None:
+            return None
+        holders = [w for w in self._holders(scheduler, ann.engine, ann.model) if w != gone]
         return min(holders, key=lambda w: (self.queued[w], w), default=None)
-
-
-def _valid(ann) -> bool:
-    return (isinstance(ann, dict) and isinstance(ann.get("op"), str)
-            and (ann["op"] not in KIND_OF_OP or isinstance(ann.get("model"), str))
-            and isinstance(ann.get("prefix", []), list)
-            and isinstance(ann.get("prompt_tokens", 0), int) and isinstance(ann.get("max_tokens", 0), int))
 
 
 def _depths(tasks: dict) -> dict:

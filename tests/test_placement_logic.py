@@ -15,6 +15,7 @@ from distributed import Event
 from distributed.utils_test import async_poll_for, gen_cluster, inc
 
 from daskllm import config
+from daskllm.annotations import TaskAnnotation
 from daskllm.placement import EVENT_TOPIC, PlacementPlugin
 
 BLOCK = 16  # tokens per prefix block (daskllm.engine.block-size)
@@ -56,10 +57,10 @@ def plug(scheduler, policy: str = "cache_aware", **settings) -> PlacementPlugin:
 
 
 def call(key: str, *deps, op: str = "decode", model: str = "tiny", prefix=(), prompt_tokens: int = 70,
-         max_tokens: int = 4, **extra):
+         max_tokens: int = 4, engine: str = "llm", **extra):
     """A task annotated as lowering annotates an LLM call."""
-    annotation = {"op": op, "model": model, "prefix": list(prefix), "prompt_tokens": prompt_tokens,
-                  "max_tokens": max_tokens, "shard": 1, **extra}
+    annotation = TaskAnnotation(op=op, engine=engine, model=model, prefix=tuple(prefix), prompt_tokens=prompt_tokens,
+                                max_tokens=max_tokens, shard=1, **extra).as_dict()
     with dask.annotate(daskllm=annotation):
         return dask.delayed(_run, pure=False)(*deps, dask_key_name=key)
 
@@ -301,3 +302,17 @@ async def test_a_worker_that_leaves_is_in_no_restriction(c, s, a, b, x):
     assert set(plugin.queued) <= {a.address, x.address}
     await go.set()
     assert await c.gather(calls) == [1] * 6 and await either == 2 and await second == 3  # none stranded
+
+
+def test_annotations_round_trip_and_malformed_ones_name_the_field():
+    ann = TaskAnnotation(op="decode", engine="llm", model="tiny", prefix=("a1", "b2"), prompt_tokens=40,
+                         max_tokens=8, shard=2)
+    assert TaskAnnotation.from_dict(ann.as_dict()) == ann
+    search = TaskAnnotation(op="search", index="docs", shard=4, index_shard=1)
+    assert TaskAnnotation.from_dict(search.as_dict()) == search
+    for bad, field in [({"op": "decode", "engine": "llm", "model": 7}, "model"),
+                       ({"op": 3}, "op"), ({"op": "decode", "engine": "llm"}, "model"),
+                       ({"op": "decode", "prefix": "abc"}, "prefix"), ({"op": "decode", "shard": "2"}, "shard"),
+                       ({"op": "decode", "colour": "red"}, "colour")]:
+        with pytest.raises(ValueError, match=field):
+            TaskAnnotation.from_dict(bad)

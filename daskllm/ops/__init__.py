@@ -9,7 +9,8 @@ of :mod:`daskllm.worker.execute` it lowers to, how a worker executes it. The bui
 
 from __future__ import annotations
 
-from daskllm.ops.base import Lowering, TaskAnnotation, TaskType
+from daskllm.annotations import TaskAnnotation
+from daskllm.ops.base import Lowering, TaskType
 from daskllm.ops.collections import COLLECT, GATHER
 from daskllm.ops.embed import EMBED
 from daskllm.ops.generate import GENERATE

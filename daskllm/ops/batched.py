@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 from dask._task_spec import Task
 
-from daskllm.ops.base import Lowering, TaskAnnotation
+from daskllm.annotations import TaskAnnotation
+from daskllm.ops.base import Lowering
 from daskllm.plan.ir import Node
 
 

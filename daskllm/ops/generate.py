@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from dask._task_spec import Task, TaskRef
 
+from daskllm.annotations import DECODE_TASK
 from daskllm.ops import pmap as pmap_op
 from daskllm.ops import prefill as prefill_op
 from daskllm.ops.base import Lowering, TaskType
@@ -20,7 +21,7 @@ from daskllm.plan.context import decision
 from daskllm.plan.ir import Node, item_of
 from daskllm.worker.execute import run_decode, run_decode_split
 
-TASK = "decode"
+TASK = DECODE_TASK
 
 
 def is_split(node: Node) -> bool:

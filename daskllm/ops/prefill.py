@@ -13,11 +13,12 @@ import os
 
 from dask._task_spec import Task
 
-from daskllm.ops.base import Lowering, TaskAnnotation, TaskType
+from daskllm.annotations import PREFILL_TASK, TaskAnnotation
+from daskllm.ops.base import Lowering, TaskType
 from daskllm.plan.ir import Node, stable_hash
 from daskllm.worker.execute import run_prefill, run_prefill_many
 
-TASK = "prefill"
+TASK = PREFILL_TASK
 
 
 def prompt_annotation(ctx: Lowering, task: str, model: str, prefixes: list[tuple[int, ...]], max_tokens: int,

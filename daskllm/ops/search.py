@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dask._task_spec import Task, TaskRef
 
-from daskllm.ops.base import Lowering, TaskAnnotation, TaskType
+from daskllm.annotations import TaskAnnotation
+from daskllm.ops.base import Lowering, TaskType
 from daskllm.plan.ir import Node
 from daskllm.worker.execute import merge_search, run_search
 

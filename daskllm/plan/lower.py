@@ -24,7 +24,8 @@ from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from daskllm.engines.kv_cache import block_hashes
-from daskllm.ops import TaskAnnotation, cacheable, task_type
+from daskllm.annotations import TaskAnnotation
+from daskllm.ops import cacheable, task_type
 from daskllm.plan.context import ClusterView, PlanOptions, decision, state
 from daskllm.plan.items import hashes, items
 from daskllm.plan.ir import Dyn, Node, stable_hash

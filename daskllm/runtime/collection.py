@@ -10,6 +10,7 @@ outputs: Dask 2026 may run collection optimizers on the scheduler, too late for 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import dask
 from dask.base import DaskMethodsMixin
@@ -24,6 +25,10 @@ from daskllm.worker.host import in_worker
 
 # Output task key -> node, so Dask's optimizer hook can count the plans it is handed.
 _outputs: weakref.WeakValueDictionary[str, LazyNode] = weakref.WeakValueDictionary()
+# Node key -> the plan its graph was last given with (see LazyNode._lowered); a plan holds its
+# nodes, so this is bounded rather than weak.
+_last_plan: OrderedDict[str, Lowered] = OrderedDict()
+_LAST_PLANS = 64
 
 
 class LazyNode(Node, DaskMethodsMixin):
@@ -31,13 +36,21 @@ class LazyNode(Node, DaskMethodsMixin):
 
     __slots__ = ()
 
-    def _lowered(self) -> Lowered:
-        lowered = submit.planned([self])
-        _outputs[lowered.outputs[self.key]] = self
+    def _lowered(self, fresh: bool = False) -> Lowered:
+        """This node's plan. Dask asks for the graph first, then keys and finalizers: the graph
+        plans afresh (settings, cluster view and remembered results as they are now) and the
+        other questions get that same plan, so keys always match the graph they come with."""
+        lowered = None if fresh else _last_plan.get(self.key)
+        if lowered is None:
+            lowered = submit.planned([self])
+            _last_plan[self.key] = lowered
+            while len(_last_plan) > _LAST_PLANS:
+                _last_plan.popitem(last=False)
+            _outputs[lowered.outputs[self.key]] = self
         return lowered
 
     def __dask_graph__(self):
-        return self._lowered().graph
+        return self._lowered(fresh=True).graph
 
     def __dask_keys__(self):
         return [self._lowered().outputs[self.key]]
