@@ -284,8 +284,8 @@ def collect_calls(client, fn, inputs, config: dict) -> list[Call]:
     priority = dask.order.order(graph)
     calls = []
     for k in decodes:
-        (full, tail_hash, tail_len), = records[k]["prompt_blocks"]
-        calls.append(Call(k, list(full), (tail_hash, tail_len), records[k]["decode_tokens"], decode_preds(k),
+        (full, tail_hash, tail_len), = records[k].prompt_blocks
+        calls.append(Call(k, list(full), (tail_hash, tail_len), records[k].decode_tokens, decode_preds(k),
                           order=priority[k]))
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(calls)))

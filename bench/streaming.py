@@ -128,8 +128,8 @@ def _lead(client, node):
     keys = {k for layer in lowered([node]).graph.layers.values() for k in layer}
     records = _with_children(_records(keys))
     top = [r for k, r in records.items() if k in keys]
-    end = next((r["time"] for r in top if r.get("op") == "decode" and r.get("streamed")), None)
-    first = next((r["first_item_started"] for r in top if r.get("op") == "pmap" and r.get("first_item_started")), None)
+    end = next((r.time for r in top if r.op == "decode" and r.streamed), None)
+    first = next((r.first_item_started for r in top if r.op == "pmap" and r.first_item_started), None)
     return None if end is None or first is None else end - first
 
 

@@ -49,6 +49,7 @@ from daskllm.retrieval import ShardedIndex
 from daskllm.runtime import collection, submit
 from daskllm.runtime.view import check_served, take_view
 from daskllm.worker.host import host, in_worker
+from daskllm.worker.usage import TaskUsage
 
 STRING = pd.ArrowDtype(pa.string())
 KEY = "_daskllm_key"
@@ -321,9 +322,9 @@ def _plan_keys(plan) -> list:
     return plan.task_keys()
 
 
-def _record(operator: str, **record) -> None:
-    host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = {"op": "dataframe", "operator": operator,
-                                                                   "time": time.time(), **record}
+def _record(operator: str, *, children=(), **record) -> None:
+    host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = TaskUsage("dataframe", operator=operator,
+                                                                          children=tuple(children), **record)
 
 
 def _lookup(keys: pd.Series, table: pd.DataFrame, op_name: str, on_error: str) -> pd.DataFrame:

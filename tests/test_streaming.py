@@ -328,6 +328,6 @@ def test_nested_work_is_planned_with_the_outer_settings(client):
         value = daskllm.compute(nested, passes=passes, result_cache=False)[0]
         with dask.config.set({"daskllm.rewrite.passes": passes}):
             records = _with_children(_records(set(_keys(nested))))
-        streamed[name] = {r.get("streamed") for r in records.values() if r.get("op") == "decode"}
+        streamed[name] = {r.streamed for r in records.values() if r.op == "decode"}
         assert len(value) >= 3
     assert streamed == {"on": {True}, "off": {False}}

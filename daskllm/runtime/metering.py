@@ -21,6 +21,7 @@ from distributed import default_client
 
 from daskllm import config
 from daskllm.worker.host import PLUGIN_NAME, local_host
+from daskllm.worker.usage import TaskUsage
 
 # Process-wide, not per context: Dask may lower a graph on another thread than the caller's.
 _active: list[Usage] = []
@@ -36,9 +37,9 @@ class Usage:
     decode_tokens: int = 0
     tasks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # Dataframe operators (ddf.llm.*): per operator, rows, distinct inputs, executed calls, failed ones.
-    operators: dict[str, dict] = field(default_factory=dict)
+    operators: dict[str, TaskUsage] = field(default_factory=dict)
     # Per LLM: prefill tokens computed and decode tokens (what the work cost, model by model).
-    models: dict[str, dict] = field(default_factory=dict)
+    models: dict[str, TaskUsage] = field(default_factory=dict)
     # With daskllm.metering.prompt-blocks: the distinct tokens in the prefix tree of every
     # prompt decoded (block-granular), the least prefill any plan could do; else None.
     distinct_prompt_tokens: int | None = None
@@ -66,38 +67,38 @@ class Usage:
                          f"{stats['executed']} executed, {stats['failed']} failed")
         return "\n".join(lines)
 
-    def _add_records(self, records: dict[str, dict]) -> None:
+    def _add_records(self, records: dict[str, TaskUsage]) -> None:
         blocks: set = set()
         tails: dict = {}
         for record in records.values():
-            op = record["op"]
-            if op in ("decode", "prefill") and "model" in record:
-                per_model = self.models.setdefault(record["model"], {"prefill_tokens_computed": 0, "decode_tokens": 0,
-                                                                     "distinct_prompt_tokens": None})
-                per_model["prefill_tokens_computed"] += record.get("computed_tokens",
-                                                                   record["prompt_tokens"] - record["cached_tokens"])
-                per_model["decode_tokens"] += record.get("decode_tokens", 0)
-            for full, tail_hash, tail_len in record.get("prompt_blocks", ()):
-                blocks.update((record["model"], h) for h in full)
+            op = record.op
+            if op in ("decode", "prefill") and record.model is not None:
+                per_model = self.models.setdefault(record.model, {"prefill_tokens_computed": 0, "decode_tokens": 0,
+                                                                  "distinct_prompt_tokens": None})
+                per_model["prefill_tokens_computed"] += record.computed_tokens
+                per_model["decode_tokens"] += record.decode_tokens
+            for full, tail_hash, tail_len in record.prompt_blocks:
+                blocks.update((record.model, h) for h in full)
                 if tail_len:
-                    tails[(record["model"], tail_hash)] = tail_len
-            if op not in ("prefill", "dataframe"):
-                self.executed["generate" if op == "decode" else op] += record.get("calls", 0)
+                    tails[(record.model, tail_hash)] = tail_len
             if op == "decode":
-                self.prefill_tokens_computed += record["prompt_tokens"] - record["cached_tokens"]
-                self.prefill_tokens_cached += record["cached_tokens"]
-                self.decode_tokens += record["decode_tokens"]
+                self.executed["generate"] += record.calls
+                self.prefill_tokens_computed += record.computed_tokens
+                self.prefill_tokens_cached += record.cached_tokens
+                self.decode_tokens += record.decode_tokens
             elif op == "prefill":
-                self.executed["prefill"] += record.get("calls", 1)
-                self.prefill_tokens_computed += record["computed_tokens"]
-            elif op in ("pmap", "dataframe"):  # what the work it started asked for, lowered on a worker
-                for child_op, n in record.get("requested", {}).items():
+                self.executed["prefill"] += record.calls
+                self.prefill_tokens_computed += record.computed_tokens
+            elif op != "dataframe":
+                self.executed[op] += record.calls
+            if op in ("pmap", "dataframe"):  # what the work it started asked for, lowered on a worker
+                for child_op, n in record.requested.items():
                     self.requested[child_op] += n
-                if op == "dataframe":
-                    stats = self.operators.setdefault(record["operator"],
-                                                      {"rows": 0, "distinct": 0, "executed": 0, "failed": 0})
-                    for k in stats:
-                        stats[k] += record.get(k, 0)
+            if op == "dataframe":
+                stats = self.operators.setdefault(record.operator, {"rows": 0, "distinct": 0, "executed": 0,
+                                                                    "failed": 0})
+                for k in stats:
+                    stats[k] += getattr(record, k)
         if blocks or tails:
             bs = config.get("engine.block-size")
             for model, per_model in self.models.items():
@@ -123,7 +124,7 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
         self.result._add_records(_with_children(records))
 
 
-def _records_since(started: float) -> dict[str, dict]:
+def _records_since(started: float) -> dict[str, TaskUsage]:
     found = _dataframe_records(started, local_host().usage)
     try:
         client = default_client()
@@ -135,7 +136,7 @@ def _records_since(started: float) -> dict[str, dict]:
 
 
 def _dataframe_records(started: float, usage) -> dict:
-    return {k: v for k, v in list(usage.items()) if v.get("op") == "dataframe" and v.get("time", 0) >= started}
+    return {k: v for k, v in list(usage.items()) if v.op == "dataframe" and v.time >= started}
 
 
 def _worker_dataframe_records(started, dask_worker=None) -> dict:
@@ -143,13 +144,13 @@ def _worker_dataframe_records(started, dask_worker=None) -> dict:
     return _dataframe_records(started, plugin.usage) if plugin is not None else {}
 
 
-def _with_children(records: dict[str, dict]) -> dict[str, dict]:
+def _with_children(records: dict[str, TaskUsage]) -> dict[str, TaskUsage]:
     """Add the records of work that pmap tasks and dataframe operators started (nested too)."""
     expanded: set = set()
     for _ in range(32):  # nesting depth
-        parents = [k for k, r in records.items() if r.get("children") and k not in expanded]
+        parents = [k for k, r in records.items() if r.children and k not in expanded]
         expanded |= set(parents)
-        new = {c for k in parents for c in records[k].get("children", ())} - set(records)
+        new = {c for k in parents for c in records[k].children} - set(records)
         if not new:
             break
         records.update(_records(new))
@@ -168,7 +169,7 @@ def note_lowering(lowered) -> None:
         u.task_keys |= set(lowered.task_keys())
 
 
-def _records(keys: set) -> dict[str, dict]:
+def _records(keys: set) -> dict[str, TaskUsage]:
     found = {k: v for k, v in local_host().usage.items() if k in keys}
     try:
         client = default_client()
@@ -178,7 +179,7 @@ def _records(keys: set) -> dict[str, dict]:
         for key, record in records.items():
             # One key may have run on several workers over time (the same work computed
             # again, placed elsewhere): the newest record is this computation's.
-            if key not in found or record.get("time", 0) >= found[key].get("time", 0):
+            if key not in found or record.time >= found[key].time:
                 found[key] = record
     return found
 

@@ -21,6 +21,7 @@ from distributed import Future, Queue, get_worker, worker_client
 from daskllm.streaming.stages import ANCESTRY, ItemError, PmapSpec, StreamError, format_ancestry
 from daskllm.streaming.wire import Source, queue_name, stream_id
 from daskllm.worker.host import host
+from daskllm.worker.usage import TaskUsage
 
 class _Item:
     __slots__ = ("index", "stage", "value", "frames")
@@ -213,10 +214,9 @@ class Consumer:
                     q.close()
                 if producer is not None:
                     producer.release()
-        host().usage[self.task_key] = {"op": "pmap", "time": time.time(), "calls": 1,
-                                       "items": len(self.results) + len(self.errors),
-                                       "requested": dict(self.requested), "children": sorted(self.children),
-                                       "first_item_started": self.first_started}
+        host().usage[self.task_key] = TaskUsage("pmap", calls=1, items=len(self.results) + len(self.errors),
+                                                requested=dict(self.requested), children=tuple(sorted(self.children)),
+                                                first_item_started=self.first_started)
         return self._result()
 
     def _wake(self, *_) -> None:

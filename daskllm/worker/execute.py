@@ -12,7 +12,6 @@ joined and tokenized whole, with the tokenizer's special tokens when ``special``
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +29,7 @@ from daskllm.worker.consumer import Consumer
 from daskllm.worker.host import get_engine, host, in_worker
 from daskllm.worker.indexes import search_shard
 from daskllm.worker.streams import StreamWriter, stream_decode
+from daskllm.worker.usage import TaskUsage
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +56,12 @@ def _tokens(call, deps, engine) -> list[int]:
 
 
 def _record(task_key: str, op: str, **counters) -> None:
-    host().usage[task_key] = {"op": op, "time": time.time(), **counters}
+    host().usage[task_key] = TaskUsage(op, **counters)
 
 
 def _record_decode(task_key: str, model: str, completions, **extra) -> None:
     if config.get("metering.prompt-blocks"):
-        extra["prompt_blocks"] = [prompt_blocks(c.prompt_token_ids) for c in completions]
+        extra["prompt_blocks"] = tuple(prompt_blocks(c.prompt_token_ids) for c in completions)
     _record(task_key, "decode", model=model, calls=len(completions),
             prompt_tokens=sum(c.num_prompt_tokens for c in completions),
             cached_tokens=sum(c.num_cached_tokens for c in completions),
@@ -131,8 +131,8 @@ def run_prefill(task_key: str, model: str, call, *deps) -> PrefillHandle:
     """Put a prefix in this worker's cache; returns a small handle, never KV tensors."""
     engine = get_engine(model)
     handle = engine.prefill(_tokens(call, deps, engine))
-    _record(task_key, "prefill", model=model, calls=1, prompt_tokens=handle.num_tokens, cached_tokens=handle.num_cached_tokens,
-            computed_tokens=handle.num_tokens - handle.num_cached_tokens)
+    _record(task_key, "prefill", model=model, calls=1, prompt_tokens=handle.num_tokens,
+            cached_tokens=handle.num_cached_tokens)
     return handle
 
 
@@ -141,8 +141,7 @@ def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillH
     engine = get_engine(model)
     handles = [f.result() for f in [engine.submit_prefill(list(p)) for p in prefixes]]
     _record(task_key, "prefill", model=model, calls=len(handles), prompt_tokens=sum(h.num_tokens for h in handles),
-            cached_tokens=sum(h.num_cached_tokens for h in handles),
-            computed_tokens=sum(h.num_tokens - h.num_cached_tokens for h in handles))
+            cached_tokens=sum(h.num_cached_tokens for h in handles))
     return handles
 
 

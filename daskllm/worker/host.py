@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from distributed import WorkerPlugin, get_worker
@@ -26,6 +25,7 @@ from distributed.diagnostics import nvml
 
 from daskllm.engines import KINDS, Engine, EngineSpec
 from daskllm.models import is_cross_encoder, model_name, resolve
+from daskllm.worker.usage import UsageLog
 
 logger = logging.getLogger(__name__)
 
@@ -143,19 +143,6 @@ def close_engines(engines: dict[str, dict[str, Engine]]) -> None:
     for kind in reversed(KINDS):  # rerankers first: they may share an embed engine
         for engine in engines.get(kind, {}).values():
             engine.close()
-
-
-class UsageLog(OrderedDict):
-    """What each task really executed, by task key; the oldest entries go first past a bound."""
-
-    def __init__(self, limit: int = 200_000):
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        while len(self) > self.limit:
-            self.popitem(last=False)
 
 
 class LocalHost(EngineHost):

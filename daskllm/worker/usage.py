@@ -1,0 +1,61 @@
+"""What each task really executed, recorded on the worker that ran it, under its task key.
+
+The records are what :func:`daskllm.usage` adds up: executed calls and the engines' own
+counts of prompt tokens computed and served from cache, per task; a pmap or dataframe
+operator also records the calls its nested plans asked for and the keys of the tasks it
+started, so their records are found too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TaskUsage:
+    """One task's record. ``op``: decode, prefill, embed, search, rerank, pmap or dataframe."""
+
+    op: str
+    time: float = field(default_factory=time.time)  # when it finished
+    calls: int = 0
+    model: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    decode_tokens: int = 0
+    # With daskllm.metering.prompt-blocks, per decoded prompt: (full blocks' chained hashes,
+    # hash of the partial last block, its length).
+    prompt_blocks: tuple = ()
+    streamed: bool = False  # a decode that sent its items to consumers as they were cut
+    pairs: int = 0  # rerank: (query, document) pairs scored
+    # pmap and dataframe operators: the work they started.
+    requested: dict[str, int] = field(default_factory=dict)
+    children: tuple[str, ...] = ()
+    items: int = 0
+    first_item_started: float | None = None
+    # dataframe operators (ddf.llm.*)
+    operator: str | None = None
+    rows: int = 0
+    distinct: int = 0
+    executed: int = 0
+    failed: int = 0
+    started: float | None = None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the engine computed (not served from its cache)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+class UsageLog(OrderedDict):
+    """Task key -> :class:`TaskUsage`; the oldest entries go first past a bound."""
+
+    def __init__(self, limit: int = 200_000):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        while len(self) > self.limit:
+            self.popitem(last=False)
