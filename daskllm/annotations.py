@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-# The lowered task types placement treats specially (ops.prefill and ops.generate lower to them).
+# The lowered task types, as annotations and usage records name them (the ops modules lower to them).
 PREFILL_TASK = "prefill"  # warms an engine's prefix cache; its decodes should run where it ran
 DECODE_TASK = "decode"  # generates from prompts whose prefix may be cached
+EMBED_TASK = "embed"
+SEARCH_TASK = "search"  # one per index shard, pinned to the worker holding it
+RERANK_TASK = "rerank"
+PMAP_TASK = "pmap"  # runs an item's stages and submits their work from the worker
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,12 +105,12 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
     if cache and not sampling.deterministic:
         raise ValueError(f"generate({model!r}): a sampled call without a seed is not deterministic and cannot be "
                          f"cached; pass seed= or cache=False")
-    inputs = _prompt_inputs("generate", p, model)
+    inputs = _prompt_inputs(GENERATE.name, p, model)
     params = {"model": model, "sampling": sampling, "cache": cache is not False and sampling.deterministic,
               "nonce": not sampling.deterministic}
     if split is not None:
         params["split"] = splitter(split)
-    return LazyNode(GENERATE.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width("generate", inputs),
+    return LazyNode(GENERATE.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width(GENERATE.name, inputs),
                 params=params, nonce=not sampling.deterministic)
 
 
@@ -121,8 +121,8 @@ def prefill(prefix, model: str | None = None) -> Node:
     if lifted is not None:
         return lifted
     model = default_model(model)
-    inputs = _prompt_inputs("prefill", p, model)
-    return LazyNode(PREFILL.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width("prefill", inputs),
+    inputs = _prompt_inputs(PREFILL.name, p, model)
+    return LazyNode(PREFILL.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width(PREFILL.name, inputs),
                 params={"model": model})
 
 
@@ -132,7 +132,7 @@ def embed(text_or_texts, model: str | None = None) -> Node:
         return _lift(embed, "text_or_texts", text_or_texts, {}, model=model)
     model = default_model(model, "embed")
     inputs = {"text": _input(text_or_texts)}
-    return LazyNode(EMBED.name, inputs=inputs, width=_width("embed", inputs), params={"model": model})
+    return LazyNode(EMBED.name, inputs=inputs, width=_width(EMBED.name, inputs), params={"model": model})
 
 
 def search(index, query_or_vector, k: int = 5) -> Node:
@@ -168,7 +168,7 @@ def rerank(query, docs, k: int | None = None, model: str | None = None) -> Node:
                      k=k, model=model)
     model = default_model(model, "embed")
     inputs = {"query": _input(query), "docs": _input(docs, lists_are_batches=False)}
-    return LazyNode(RERANK.name, inputs=inputs, width=_width("rerank", inputs), params={"model": model, "k": k})
+    return LazyNode(RERANK.name, inputs=inputs, width=_width(RERANK.name, inputs), params={"model": model, "k": k})
 
 
 def gather(node: Node) -> Node:
@@ -204,7 +204,7 @@ def _pmap(stream, stage: Stage, args, *, errors: str = "raise", sticky: bool = F
     source = _input(stream, lists_are_batches=False)
     inputs = {"stream": source, **{f"arg{j}": _input(a, lists_are_batches=False) for j, a in enumerate(args)}}
     spec = PmapSpec((stage,), errors, bool(sticky), ANCESTRY.get())
-    return LazyNode(PMAP.name, inputs=inputs, width=_width("pmap", inputs), value=spec,
+    return LazyNode(PMAP.name, inputs=inputs, width=_width(PMAP.name, inputs), value=spec,
                 params={"stage": stage.fingerprint, "errors": errors, "sticky": bool(sticky)})
 
 

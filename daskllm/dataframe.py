@@ -49,7 +49,7 @@ from daskllm.retrieval import ShardedIndex
 from daskllm.runtime import collection, submit
 from daskllm.runtime.view import check_served, take_view
 from daskllm.worker.host import host, in_worker
-from daskllm.worker.usage import TaskUsage
+from daskllm.worker.usage import DATAFRAME, TaskUsage
 
 STRING = pd.ArrowDtype(pa.string())
 KEY = "_daskllm_key"
@@ -323,7 +323,7 @@ def _plan_keys(plan) -> list:
 
 
 def _record(operator: str, *, children=(), **record) -> None:
-    host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = TaskUsage("dataframe", operator=operator,
+    host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = TaskUsage(DATAFRAME, operator=operator,
                                                                           children=tuple(children), **record)
 
 

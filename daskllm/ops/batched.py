@@ -7,12 +7,13 @@ from collections.abc import Callable
 from dask._task_spec import Task
 
 from daskllm.annotations import TaskAnnotation
-from daskllm.ops.base import Lowering
+from daskllm.ops.base import Lowering, TaskType
 from daskllm.plan.ir import Node
 
 
-def lower_shards(ctx: Lowering, node: Node, task: str, engine: str, fn: Callable, *params) -> None:
-    """One ``fn(key, *params, calls, *deps)`` task per shard; ``params[0]`` is the model."""
+def lower_shards(ctx: Lowering, node: Node, kind: TaskType, fn: Callable, *params) -> None:
+    """One ``fn(key, *params, calls, *deps)`` task of type ``kind`` per shard; ``params[0]`` is the model."""
+    task, engine = kind.name, kind.engine
     todo, item_hashes = ctx.todo(node)
     calls = ctx.calls(node)
     for shard in ctx.shards(node, todo):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from daskllm.annotations import EMBED_TASK
 from daskllm.ops.base import Lowering, TaskType
 from daskllm.ops.batched import lower_shards
 from daskllm.plan.ir import Node
@@ -9,7 +10,7 @@ from daskllm.worker.execute import run_embed
 
 
 def _lower(ctx: Lowering, node: Node) -> None:
-    lower_shards(ctx, node, EMBED.name, "embed", run_embed, node.params["model"])
+    lower_shards(ctx, node, EMBED, run_embed, node.params["model"])
 
 
-EMBED = TaskType("embed", _lower, inputs=("text",), engine="embed", calls=True, cacheable=True)
+EMBED = TaskType(EMBED_TASK, _lower, inputs=("text",), engine="embed", calls=True, cacheable=True)

@@ -14,6 +14,7 @@ import dataclasses
 import networkx as nx
 from dask._task_spec import Task, TaskRef
 
+from daskllm.annotations import PMAP_TASK
 from daskllm.ops.base import Lowering, TaskType
 from daskllm.ops.values import input_part
 from daskllm.plan.context import decision
@@ -82,4 +83,4 @@ def _lower(ctx: Lowering, node: Node) -> None:
             ctx.loc[node].append((key, None))
 
 
-PMAP = TaskType("pmap", _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True)
+PMAP = TaskType(PMAP_TASK, _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True)

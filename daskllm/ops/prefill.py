@@ -86,4 +86,4 @@ def _replicas(ctx: Lowering, model: str) -> int:
     return max(1, int(setting)) if setting != "auto" else ctx.view.holding(model, "llm")
 
 
-PREFILL = TaskType("prefill", _lower, engine="llm", calls=True, prompted=True)
+PREFILL = TaskType(PREFILL_TASK, _lower, engine="llm", calls=True, prompted=True)

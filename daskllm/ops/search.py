@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dask._task_spec import Task, TaskRef
 
-from daskllm.annotations import TaskAnnotation
+from daskllm.annotations import SEARCH_TASK, TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
 from daskllm.plan.ir import Node
 from daskllm.worker.execute import merge_search, run_search
@@ -48,4 +48,4 @@ def _lower(ctx: Lowering, node: Node) -> None:
     ctx.fill_duplicates(node, item_hashes)
 
 
-SEARCH = TaskType("search", _lower, inputs=("query",), calls=True, cacheable=True)
+SEARCH = TaskType(SEARCH_TASK, _lower, inputs=("query",), calls=True, cacheable=True)

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from distributed import default_client
 
 from daskllm import config
+from daskllm.annotations import DECODE_TASK, PMAP_TASK, PREFILL_TASK
+from daskllm.ops.generate import GENERATE
+from daskllm.ops.prefill import PREFILL
 from daskllm.worker.host import PLUGIN_NAME, local_host
-from daskllm.worker.usage import TaskUsage
+from daskllm.worker.usage import DATAFRAME, TaskUsage
 
 # Process-wide, not per context: Dask may lower a graph on another thread than the caller's.
 _active: list[Usage] = []
@@ -72,7 +75,7 @@ class Usage:
         tails: dict = {}
         for record in records.values():
             op = record.op
-            if op in ("decode", "prefill") and record.model is not None:
+            if op in (DECODE_TASK, PREFILL_TASK) and record.model is not None:
                 per_model = self.models.setdefault(record.model, {"prefill_tokens_computed": 0, "decode_tokens": 0,
                                                                   "distinct_prompt_tokens": None})
                 per_model["prefill_tokens_computed"] += record.computed_tokens
@@ -81,20 +84,20 @@ class Usage:
                 blocks.update((record.model, h) for h in full)
                 if tail_len:
                     tails[(record.model, tail_hash)] = tail_len
-            if op == "decode":
-                self.executed["generate"] += record.calls
+            if op == DECODE_TASK:
+                self.executed[GENERATE.name] += record.calls
                 self.prefill_tokens_computed += record.computed_tokens
                 self.prefill_tokens_cached += record.cached_tokens
                 self.decode_tokens += record.decode_tokens
-            elif op == "prefill":
-                self.executed["prefill"] += record.calls
+            elif op == PREFILL_TASK:
+                self.executed[PREFILL.name] += record.calls
                 self.prefill_tokens_computed += record.computed_tokens
-            elif op != "dataframe":
+            elif op != DATAFRAME:
                 self.executed[op] += record.calls
-            if op in ("pmap", "dataframe"):  # what the work it started asked for, lowered on a worker
+            if op in (PMAP_TASK, DATAFRAME):  # what the work it started asked for, lowered on a worker
                 for child_op, n in record.requested.items():
                     self.requested[child_op] += n
-            if op == "dataframe":
+            if op == DATAFRAME:
                 stats = self.operators.setdefault(record.operator, {"rows": 0, "distinct": 0, "executed": 0,
                                                                     "failed": 0})
                 for k in stats:
@@ -136,7 +139,7 @@ def _records_since(started: float) -> dict[str, TaskUsage]:
 
 
 def _dataframe_records(started: float, usage) -> dict:
-    return {k: v for k, v in list(usage.items()) if v.op == "dataframe" and v.time >= started}
+    return {k: v for k, v in list(usage.items()) if v.op == DATAFRAME and v.time >= started}
 
 
 def _worker_dataframe_records(started, dask_worker=None) -> dict:

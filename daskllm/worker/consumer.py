@@ -18,6 +18,7 @@ from typing import Any
 import dask
 from distributed import Future, Queue, get_worker, worker_client
 
+from daskllm.annotations import PMAP_TASK
 from daskllm.streaming.stages import ANCESTRY, ItemError, PmapSpec, StreamError, format_ancestry
 from daskllm.streaming.wire import Source, queue_name, stream_id
 from daskllm.worker.host import host
@@ -214,7 +215,7 @@ class Consumer:
                     q.close()
                 if producer is not None:
                     producer.release()
-        host().usage[self.task_key] = TaskUsage("pmap", calls=1, items=len(self.results) + len(self.errors),
+        host().usage[self.task_key] = TaskUsage(PMAP_TASK, calls=1, items=len(self.results) + len(self.errors),
                                                 requested=dict(self.requested), children=tuple(sorted(self.children)),
                                                 first_item_started=self.first_started)
         return self._result()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from daskllm import config
+from daskllm.annotations import DECODE_TASK, EMBED_TASK, PREFILL_TASK, RERANK_TASK, SEARCH_TASK
 from daskllm.engines import PrefillHandle, SamplingParams
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
 from daskllm.index import merge_hits
@@ -62,7 +63,7 @@ def _record(task_key: str, op: str, **counters) -> None:
 def _record_decode(task_key: str, model: str, completions, **extra) -> None:
     if config.get("metering.prompt-blocks"):
         extra["prompt_blocks"] = tuple(prompt_blocks(c.prompt_token_ids) for c in completions)
-    _record(task_key, "decode", model=model, calls=len(completions),
+    _record(task_key, DECODE_TASK, model=model, calls=len(completions),
             prompt_tokens=sum(c.num_prompt_tokens for c in completions),
             cached_tokens=sum(c.num_cached_tokens for c in completions),
             decode_tokens=sum(len(c.token_ids) for c in completions), **extra)
@@ -131,7 +132,7 @@ def run_prefill(task_key: str, model: str, call, *deps) -> PrefillHandle:
     """Put a prefix in this worker's cache; returns a small handle, never KV tensors."""
     engine = get_engine(model)
     handle = engine.prefill(_tokens(call, deps, engine))
-    _record(task_key, "prefill", model=model, calls=1, prompt_tokens=handle.num_tokens,
+    _record(task_key, PREFILL_TASK, model=model, calls=1, prompt_tokens=handle.num_tokens,
             cached_tokens=handle.num_cached_tokens)
     return handle
 
@@ -140,7 +141,7 @@ def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillH
     """Put several known prefixes (a decode shard's partial prompts) in this worker's cache at once."""
     engine = get_engine(model)
     handles = [f.result() for f in [engine.submit_prefill(list(p)) for p in prefixes]]
-    _record(task_key, "prefill", model=model, calls=len(handles), prompt_tokens=sum(h.num_tokens for h in handles),
+    _record(task_key, PREFILL_TASK, model=model, calls=len(handles), prompt_tokens=sum(h.num_tokens for h in handles),
             cached_tokens=sum(h.num_cached_tokens for h in handles))
     return handles
 
@@ -148,14 +149,14 @@ def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillH
 def run_embed(task_key: str, model: str, items: list, *deps) -> list[np.ndarray]:
     texts = [render_value(_value(part, deps)) for part in items]
     vectors = calls.embed(model, texts)
-    _record(task_key, "embed", calls=len(texts))
+    _record(task_key, EMBED_TASK, calls=len(texts))
     return list(vectors)
 
 
 def run_search(task_key: str, index_name: str, shard: int, k: int, items: list, *deps) -> list:
     vectors = np.stack([np.asarray(_value(part, deps), dtype=np.float32) for part in items])
     hits = search_shard(index_name, shard, vectors, k)
-    _record(task_key, "search", calls=len(items))
+    _record(task_key, SEARCH_TASK, calls=len(items))
     return hits
 
 
@@ -170,7 +171,7 @@ def run_rerank(task_key: str, model: str, k: int | None, items: list, *deps) -> 
         query = render_value(_value(query_part, deps))
         docs = [render_value(d) for d in _value(docs_part, deps)]
         out.append([docs[i] for i, _ in engine.rerank(query, docs, k)])
-    _record(task_key, "rerank", calls=len(items), pairs=sum(len(_value(d, deps)) for _, d in items))
+    _record(task_key, RERANK_TASK, calls=len(items), pairs=sum(len(_value(d, deps)) for _, d in items))
     return out
 
 

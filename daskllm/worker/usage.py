@@ -13,6 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
+DATAFRAME = "dataframe"  # the op of a ddf.llm operator's records (not a task type)
+
+
 @dataclass(frozen=True, slots=True)
 class TaskUsage:
     """One task's record. ``op``: decode, prefill, embed, search, rerank, pmap or dataframe."""
