@@ -87,13 +87,16 @@ class EngineSpec:
         if backend not in BACKENDS:
             raise ValueError(f"daskllm.engine.backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
-            from daskllm.engines.vllm import unavailable_reason
+            from daskllm.engines.vllm import unavailable_reason  # here: vllm is imported only where it may serve
 
             backend = "torch" if unavailable_reason() else "vllm"
         return backend
 
     def load(self, **defaults) -> Engine:
-        """Build the engine; ``defaults`` are options the spec does not set itself."""
+        """Build the engine; ``defaults`` are options the spec does not set itself.
+
+        Each backend is imported here, when it is built: torch and vLLM are heavy, and a
+        client, a scheduler or a CPU worker must not load what it never runs."""
         options = {**defaults, **self.options}
         backend = self.resolved_backend()
         if backend == "vllm":

@@ -68,7 +68,7 @@ class EmbedEngine:
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(self.max_length)
         if backend == "vllm":
-            from daskllm.engines.vllm import PoolingModel
+            from daskllm.engines.vllm import PoolingModel  # vLLM only on the workers that use it
 
             self._encoder = PoolingModel(path)
             self.batch_invariant = False

@@ -123,7 +123,7 @@ class CrossEncoderReranker:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._stats = RerankStats()
         if backend == "vllm":
-            from daskllm.engines.vllm import PoolingModel
+            from daskllm.engines.vllm import PoolingModel  # vLLM only on the workers that use it
 
             self.model = PoolingModel(path)
             run = self.model.score

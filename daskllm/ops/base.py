@@ -19,11 +19,16 @@ from daskllm.annotations import TaskAnnotation
 from daskllm.plan.ir import Node
 
 
+# Where a call's value is, when it is not a task's output: the value itself, inline in the
+# consumer's task (a constant, or a result the cache pass found).
+INLINE = "inline"
+
+
 class Lowering(Protocol):
     """The planner's lowering state, as op modules use it (:class:`daskllm.plan.lower.Lowering`)."""
 
     graph: nx.DiGraph
-    loc: dict  # node -> per call: ("const", value) | (task key, position in its output)
+    loc: dict  # node -> per call: (INLINE, value) | (task key, position in its output)
     options: Any  # PlanOptions
     view: Any  # ClusterView
     memo: dict  # op modules' own per-plan state, by name

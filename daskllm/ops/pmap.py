@@ -15,7 +15,7 @@ import networkx as nx
 from dask._task_spec import Task, TaskRef
 
 from daskllm.annotations import PMAP_TASK
-from daskllm.ops.base import Lowering, TaskType
+from daskllm.ops.base import INLINE, Lowering, TaskType
 from daskllm.ops.values import input_part
 from daskllm.plan.context import decision
 from daskllm.plan.ir import Dyn, Node, item_of, stable_hash
@@ -67,7 +67,7 @@ def _lower(ctx: Lowering, node: Node) -> None:
     for i in range(node.n):
         arg_parts = [Dyn(a, item_of(a, i)) for a in stage_args]
         where = ctx.loc[src][item_of(src, i)]
-        if streamed and where[0] != "const":  # a cached decode has nothing to stream
+        if streamed and where[0] != INLINE:  # a cached decode has nothing to stream
             producer_key, pos = where
             key = task_key(ctx, node, i, producer_key)
             stream = Source(producer_key, pos, src.params["sampling"].deterministic)

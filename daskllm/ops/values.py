@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dask.highlevelgraph import HighLevelGraph
 
-from daskllm.ops.base import Lowering, TaskType
+from daskllm.ops.base import INLINE, Lowering, TaskType
 from daskllm.plan.ir import Dyn, Node, item_of, stable_hash
 
 
@@ -26,7 +26,7 @@ def input_part(node: Node, name: str, i: int):
 
 def _lower_const(ctx: Lowering, node: Node) -> None:
     values = node.value if node.batched else [node.value]
-    ctx.loc[node] = [("const", v) for v in values]
+    ctx.loc[node] = [(INLINE, v) for v in values]
 
 
 def _lower_delayed(ctx: Lowering, node: Node) -> None:

@@ -23,9 +23,10 @@ import networkx as nx
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from daskllm.engines.kv_cache import block_hashes
 from daskllm.annotations import TaskAnnotation
+from daskllm.engines.kv_cache import block_hashes
 from daskllm.ops import cacheable, task_type
+from daskllm.ops.base import INLINE
 from daskllm.plan.context import ClusterView, PlanOptions, decision, state
 from daskllm.plan.items import hashes, items
 from daskllm.plan.ir import Dyn, Node, stable_hash
@@ -62,7 +63,7 @@ class Lowering:
         self.layers: dict[str, dict] = defaultdict(dict)
         self.annotations: dict[str, dict] = {}
         self.pinned: dict[str, list[str]] = {}
-        self.loc: dict[Node, list] = {}  # node -> per call: ("const", value) | (task key, pos)
+        self.loc: dict[Node, list] = {}  # node -> per call: (INLINE, value) | (task key, pos)
         self.physical: dict[str, tuple[str, int]] = {}  # call hash -> (task key, pos) across the graph
         self.counts: dict[str, int] = defaultdict(int)
         self.requested: dict[str, int] = defaultdict(int)
@@ -138,7 +139,7 @@ class Lowering:
             for part in parts:
                 if isinstance(part, Dyn):
                     where = self.loc[part.node][part.index]
-                    if where[0] == "const":
+                    if where[0] == INLINE:
                         resolved.append(where[1])
                         continue
                     key, pos = where
@@ -167,7 +168,7 @@ class Lowering:
         todo, seen = [], {}
         for i, h in enumerate(item_hashes):
             if cached[i] is not None:
-                self.loc[node][i] = ("const", cached[i])
+                self.loc[node][i] = (INLINE, cached[i])
             elif self.dedupe and h in self.physical:
                 self.loc[node][i] = self.physical[h]
             elif self.dedupe and h in seen:
