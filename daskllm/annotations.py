@@ -20,7 +20,7 @@ PMAP_TASK = "pmap"  # runs an item's stages and submits their work from the work
 
 @dataclass(frozen=True, slots=True)
 class TaskAnnotation:
-    """What placement knows about one lowered task (ARCHITECTURE.md's contract).
+    """What placement knows about one lowered task.
 
     ``op``: the lowered task type (prefill, decode, embed, search, rerank); ``engine``: the
     engine kind that runs it (llm, embed, rerank), or None for a task pinned by data (an

@@ -59,7 +59,7 @@ def _call_parts(graph: nx.DiGraph, node: Node, i: int) -> list:
 def _lower(ctx: Lowering, node: Node) -> None:
     src = source(ctx.graph, node)
     spec, stage_args = spec_and_args(ctx.graph, node)
-    nested = dataclasses.replace(ctx.options, results=None)  # the worker uses its own result store
+    nested = dataclasses.replace(ctx.options, results=None)  # a store stays in its process; the worker has its own
     spec = dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view))
     streamed = decision(ctx.graph, node).streamed
     ctx.count_requested(PMAP.name, node.n)

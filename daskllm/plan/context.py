@@ -74,7 +74,7 @@ class PlanOptions:
     granularity: str = "shard"
     result_cache: bool = True
     stage_size: tuple[tuple[str, int], ...] = ()
-    prefix_min_tokens: int = 32
+    prefix_min_tokens: int = 16
     prefill_replicas: int | str = "auto"
     block_size: int = 16
     settings: tuple = ()  # every rewrite setting, as sorted items: travels with pmaps for their nested plans
@@ -96,7 +96,7 @@ class PlanOptions:
         return cls(passes=passes, granularity=rewrite.get("granularity", "shard"),
                    result_cache=bool(rewrite.get("result-cache", True)),
                    stage_size=tuple(sorted((op, int(n)) for op, n in (rewrite.get("stage-size") or {}).items() if n)),
-                   prefix_min_tokens=int(rewrite.get("prefix-min-tokens", 32)),
+                   prefix_min_tokens=int(rewrite.get("prefix-min-tokens", 16)),
                    prefill_replicas=rewrite.get("prefill-replicas", "auto"), block_size=int(block_size),
                    settings=tuple(sorted((k, _frozen(v)) for k, v in rewrite.items())), **extra)
 
@@ -118,7 +118,7 @@ class NodePlan:
 
     ``cached``: per call, its remembered result or None (cache pass). ``prefills``: per call,
     the prefill node its decode waits for, or None (prefix pass). ``shard_size``: calls per
-    task (stage pass). ``source``/``stages``/``args``: a pmap's source after fusing the pmaps
+    task (stage pass). ``source``/``spec``/``args``: a pmap's source after fusing the pmaps
     feeding it, its fused spec and stage arguments; ``streamed``: it reads its source's
     stream (pipeline pass).
     """

@@ -14,6 +14,7 @@ def cold_start(client, timeout: float = 30) -> None:
     caches, once the previous computation's tasks are forgotten (results still held by the
     scheduler would be reused by an identical graph), until the scheduler's view of the
     caches is empty too."""
+
     def leftovers(dask_scheduler):
         return sum(1 for ts in dask_scheduler.tasks.values() if not ts.who_wants)
 

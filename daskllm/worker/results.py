@@ -1,10 +1,12 @@
 """Remembered results (Helium's prompt cache): deterministic calls computed before, by hash.
 
 Results of the requested outputs' deterministic calls (greedy, or sampled with a seed) are
-remembered under their structural hash, in a size-bounded LRU, in the process that
-submitted them: the client, or a worker whose task planned nested work. The planner's
-``cache`` pass looks calls up here (it is handed this store); a sampled call without a seed
-is never remembered.
+remembered under their structural hash, in a size-bounded LRU, by the client that computed
+them (``daskllm.compute``, ``node.compute()``, ``dask.compute``). The planner's ``cache`` pass
+looks calls up here (the runtime hands it this store). A worker planning nested work (a pmap's
+items, a dataframe partition) looks calls up in its own process's store, which nothing fills
+yet: nested calls are not served from remembered results. A sampled call without a seed is
+never remembered.
 """
 
 from __future__ import annotations
