@@ -30,6 +30,7 @@ must equal the first run's (greedy decoding): the script exits with status 1 if 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -40,6 +41,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from attribution import attributed  # noqa: E402
 from machine import log, machine_info  # noqa: E402
 
 BASELINES = ("sequential", "opwise", "dask")
@@ -65,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 queries, 4 tokens, one repetition")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--plot", help="write a speedup chart (PNG) here")
+    parser.add_argument("--attribution", help="also attribute each run's time (Dask spans, engine counters); "
+                        "write a stacked-bar chart (PNG) of it here")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.queries, args.max_tokens, args.repeats = "tiny", 4, 4, 1
@@ -125,7 +129,15 @@ def engine_totals(client) -> dict:
     return totals
 
 
-def measure(client, system: str, fn, inputs, config: dict) -> dict:
+def engine_busy(client) -> tuple[float, int]:
+    """The LLM engines' summed busy seconds, and how many there are."""
+    from daskllm.worker import engine_stats
+
+    stats = [s for per_worker in client.run(engine_stats).values() for s in per_worker.values()]
+    return sum(s["busy_seconds"] for s in stats), len(stats)
+
+
+def measure(client, system: str, fn, inputs, config: dict, attribute: bool = False) -> dict:
     import daskllm
     from daskllm.placement import set_policy
     from daskllm.runtime.control import cold_start
@@ -134,7 +146,8 @@ def measure(client, system: str, fn, inputs, config: dict) -> dict:
     cold_start(client)
     set_policy(client, placement_for(system))
     before = engine_totals(client)
-    with get_task_stream(client) as stream, daskllm.usage() as usage:
+    timing = attributed(client, system, lambda: engine_busy(client)) if attribute else contextlib.nullcontext({})
+    with get_task_stream(client) as stream, daskllm.usage() as usage, timing as found:
         start = time.perf_counter()
         outputs = run_system(system, fn, inputs, config)
         seconds = time.perf_counter() - start
@@ -145,7 +158,8 @@ def measure(client, system: str, fn, inputs, config: dict) -> dict:
             "prefill_tokens_computed": delta["prefill_tokens_computed"],
             "hit_rate": delta["prefill_tokens_cached"] / prompt if prompt else 0.0,
             "mean_batch": delta["batched_sequences"] / delta["steps"] if delta["steps"] else 0.0,
-            "models": usage.models, "distinct_prompt_tokens": usage.distinct_prompt_tokens}
+            "models": usage.models, "distinct_prompt_tokens": usage.distinct_prompt_tokens,
+            **({"attribution": found["attribution"]} if attribute else {})}
 
 
 # --- the engines' best per-token costs ------------------------------------------------------
@@ -198,14 +212,14 @@ def ideal_seconds(run: dict, cost: dict[str, dict], workers: int) -> float | Non
 
 
 def bench_pipeline(client, name: str, fn, inputs, config: dict, systems: list[str], repeats: int,
-                   cost: dict, workers: int) -> dict:
+                   cost: dict, workers: int, attribute: bool = False) -> dict:
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     run_system("daskllm", fn, inputs, config)  # warm-up, not measured: first-use costs of every code path
     reference = None
     for r in range(repeats):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for system in order:
-            result = measure(client, system, fn, inputs, config)
+            result = measure(client, system, fn, inputs, config, attribute)
             if reference is None:
                 reference = result["outputs"]
             result["exact"] = result["outputs"] == reference
@@ -230,6 +244,8 @@ def bench_pipeline(client, name: str, fn, inputs, config: dict, systems: list[st
             "efficiency": (statistics.median(i / r["seconds"] for i, r in zip(ideal, rs))
                            if all(i is not None for i in ideal) else None),
             "exact": all(r["exact"] for r in rs),
+            **({"attribution": {k: statistics.median(r["attribution"][k] for r in rs)
+                                for k in rs[0]["attribution"] if k != "complete"}} if attribute else {}),
         }
     return {"pipeline": name, "distinct_prompt_tokens": bound, "systems": summary,
             "raw": {s: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for s, rs in runs.items()}}
@@ -272,6 +288,54 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+ATTRIBUTION = [("outside_tasks", "before the first task, after the last"), ("threads_engine_wait", "threads waiting on engines"),
+               ("threads_stream_wait", "threads waiting on streams / nested work"),
+               ("threads_other_wait", "threads waiting, other"), ("threads_cpu", "task CPU"),
+               ("threads_dask_overhead", "Dask task overhead"), ("threads_idle", "threads idle")]
+
+
+def attribution_table(results: list[dict]) -> str:
+    """Per pipeline and system: wall time, where it went, and how busy the engines were."""
+    lines = ["| pipeline | system | wall s | outside tasks s | engine busy | " +
+             " | ".join(label for key, label in ATTRIBUTION[1:]) + " |", "|---|---|" + "---:|" * (2 + len(ATTRIBUTION))]
+    for res in results:
+        for system, s in res["systems"].items():
+            a = s["attribution"]
+            threads = sum(a[k] for k, _ in ATTRIBUTION[1:]) or 1.0
+            busy = a["engine_busy"] / max(1e-9, a["engine_busy"] + a["engine_idle"])
+            lines.append(f"| {res['pipeline']} | {system} | {a['wall']:.2f} | {a['outside_tasks']:.2f} | {busy:.0%} | "
+                         + " | ".join(f"{a[k] / threads:.0%}" for k, _ in ATTRIBUTION[1:]) + " |")
+    return "\n".join(lines)
+
+
+def plot_attribution(results: list[dict], path: str) -> None:
+    """A stacked bar per pipeline and system: the wall time, split into the time no task ran and,
+    during the tasks' window, in proportion to what the worker threads did."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{r['pipeline']}\n{system}", s["attribution"]) for r in results for system, s in r["systems"].items()]
+    fig, ax = plt.subplots(figsize=(max(6, len(bars) * 0.55), 4))
+    bottoms = [0.0] * len(bars)
+    for key, label in ATTRIBUTION:
+        heights = []
+        for _, a in bars:
+            if key == "outside_tasks":
+                heights.append(a["outside_tasks"])
+            else:
+                threads = sum(a[k] for k, _ in ATTRIBUTION[1:]) or 1.0
+                heights.append((a["wall"] - a["outside_tasks"]) * a[key] / threads)
+        ax.bar(range(len(bars)), heights, bottom=bottoms, label=label)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], rotation=90, fontsize=7)
+    ax.set_ylabel("wall seconds")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import dask
@@ -297,7 +361,7 @@ def main(argv=None) -> int:
             config = {"model": args.model, "max_tokens": args.max_tokens,
                       **({"model2": args.model2} if name in TWO_MODELS else {})}
             results.append(bench_pipeline(client, name, registry_[name], inputs, config, args.system_names,
-                                          args.repeats, cost, args.workers))
+                                          args.repeats, cost, args.workers, attribute=bool(args.attribution)))
     report = markdown(results, args)
     print(report)
     if args.json:
@@ -306,6 +370,9 @@ def main(argv=None) -> int:
                        "machine": machine_info(), "command": " ".join(sys.argv)}, f, indent=2, default=str)
     if args.plot:
         plot(results, args.plot)
+    if args.attribution:
+        print(attribution_table(results))
+        plot_attribution(results, args.attribution)
     if not all(s["exact"] for r in results for s in r["systems"].values()):
         log("some system's outputs differ from the first run's")
         return 1

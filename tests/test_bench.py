@@ -19,6 +19,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from attribution import summarize, tasks_window  # noqa: E402
 from scheduling import BLOCK, Call, hit_rate, list_schedule, optimal, orders, shared, token_steps  # noqa: E402
 
 
@@ -89,7 +90,8 @@ def test_lru_hit_rate_depends_on_order():
 def test_harness_runs_every_system_and_checks_exactness(tmp_path, daskllm_cache):
     out = tmp_path / "harness.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "harness.py"), "--quick", "--pipelines", "w2,adaptive_rag",
-                           "--systems", "sequential,opwise,dask,daskllm,-prefix", "--json", str(out)],
+                           "--systems", "sequential,opwise,dask,daskllm,-prefix", "--json", str(out),
+                           "--attribution", str(tmp_path / "attribution.png")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -102,6 +104,11 @@ def test_harness_runs_every_system_and_checks_exactness(tmp_path, daskllm_cache)
         assert all(s["seconds"] > 0 and s["tasks"] > 0 for s in systems.values())
         assert result["distinct_prompt_tokens"] > 0
         assert all(0 < s["efficiency"] < 1.5 for s in systems.values())
+        for s in systems.values():  # where the time went: engines computed, threads waited on them
+            a = s["attribution"]
+            assert a["engine_busy"] > 0 and a["tasks_window"] > 0 and a["threads_engine_wait"] > 0
+            assert a["outside_tasks"] + a["tasks_window"] == pytest.approx(a["wall"], abs=0.05)
+    assert (tmp_path / "attribution.png").stat().st_size > 0
     # one query at a time cannot batch across queries
     assert report["results"][0]["systems"]["sequential"]["mean_batch"] <= 1.5
     assert "| w2 | daskllm |" in done.stdout
@@ -146,3 +153,26 @@ def test_quality_benchmark_runs_and_compares_every_plan_with_naive(tmp_path, das
     # the index always holds the generated questions' source rows: exact-sentence search finds them
     assert report["retrieval_recall"] == 1.0
     assert len(report["examples"]) == 5 and "every plan gives the naive plan's answers: True" in done.stdout
+
+
+def test_attribution_sorts_worker_thread_time_by_what_the_threads_did():
+    metrics = [(("execute", "decode", "thread-noncpu", "seconds"), 3.0),
+               (("execute", "prefill", "thread-noncpu", "seconds"), 1.0),
+               (("execute", "pmap", "thread-noncpu", "seconds"), 2.0),
+               (("execute", "decode", "thread-cpu", "seconds"), 0.5),
+               (("execute", "decode", "executor", "seconds"), 0.25),
+               (("execute", "N/A", "idle or other spans", "seconds"), 1.25),
+               (("execute", "decode", "memory-read", "bytes"), 4096.0),
+               (("gather-dep", "decode", "network", "seconds"), 9.0)]
+    found = summarize(metrics, window=1.0, wall=1.5, engine_busy=2.0, engines=2, thread_count=8)
+    assert found["threads_engine_wait"] == 4.0 and found["threads_stream_wait"] == 2.0
+    assert found["threads_cpu"] == 0.5 and found["threads_dask_overhead"] == 0.25 and found["threads_idle"] == 1.25
+    assert found["outside_tasks"] == 0.5 and found["engine_idle"] == 1.0
+
+
+def test_tasks_window_spans_the_first_start_to_the_last_stop():
+    stream = [{"startstops": [{"action": "transfer", "start": 0.0, "stop": 9.0},
+                              {"action": "compute", "start": 2.0, "stop": 3.0}]},
+              {"startstops": [{"action": "compute", "start": 2.5, "stop": 4.5}]}]
+    assert tasks_window(stream) == 2.5
+    assert tasks_window([]) == 0.0
