@@ -10,9 +10,7 @@ Ranking is by score, then by document position, so equal scores always rank the 
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass

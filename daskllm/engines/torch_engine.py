@@ -37,7 +37,6 @@ from daskllm.engines.protocol import (
     TokenCallback,
     check_params,
     encode_prompt,
-    failed_future,
 )
 from daskllm.engines.sampling import make_generator, sample
 from daskllm.engines.scheduler import Scheduler, Sequence

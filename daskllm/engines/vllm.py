@@ -52,7 +52,6 @@ from daskllm.engines.protocol import (
     TokenCallback,
     check_params,
     encode_prompt,
-    failed_future,
 )
 
 logger = logging.getLogger(__name__)

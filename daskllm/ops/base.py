@@ -68,7 +68,6 @@ class TaskType:
     whose ``model`` param serves it (None: no engine). ``calls``: one node makes one call per
     batch item (CSE, the result cache and sharding apply to them). ``prompted``: its calls are
     prompts (tokenized, prefix-shared). ``cacheable``: deterministic calls may be remembered.
-    ``value``: the node holds a value rather than computing one (const, delayed, persisted).
     ``lower(lowering, node)`` adds its tasks; ``call_parts(graph, node, i)``, if set, gives
     call i's parts where they are not simply its inputs in order; ``value_hashes(node)``, for a
     value node, the structural hash of each of its items.
@@ -81,7 +80,6 @@ class TaskType:
     calls: bool = False
     prompted: bool = False
     cacheable: bool = False
-    value: bool = False
     call_parts: Callable | None = field(default=None, compare=False)
     value_hashes: Callable[[Node], list[str]] | None = field(default=None, compare=False)
     is_stream: Callable[[Node], bool] = field(default=lambda node: False, compare=False)

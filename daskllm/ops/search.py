@@ -11,7 +11,8 @@ from dask._task_spec import Task, TaskRef
 from daskllm.annotations import SEARCH_TASK, TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
 from daskllm.plan.ir import Node
-from daskllm.worker.execute import merge_search, run_search
+from daskllm.worker.execute import run_search
+from daskllm.worker.indexes import merge_shards
 
 
 class IndexRef:
@@ -43,7 +44,7 @@ def _lower(ctx: Lowering, node: Node) -> None:
                     TaskAnnotation(op=SEARCH.name, index=index.name, shard=len(shard), index_shard=s), pin=worker)
             shard_keys.append(key)
         key = f"{SEARCH.name}-{token}"
-        ctx.add("merge", key, Task(key, merge_search, k, *[TaskRef(sk) for sk in shard_keys]))
+        ctx.add("merge", key, Task(key, merge_shards, k, *[TaskRef(sk) for sk in shard_keys]))
         ctx.place(node, item_hashes, shard, key)
     ctx.fill_duplicates(node, item_hashes)
 

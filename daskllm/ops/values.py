@@ -49,6 +49,6 @@ def _keyed_hashes(node: Node) -> list[str]:
     return [stable_hash(node.op, node.key, i) for i in range(node.n)]
 
 
-CONST = TaskType("const", _lower_const, value=True, value_hashes=_const_hashes)
-DELAYED = TaskType("delayed", _lower_delayed, value=True, value_hashes=_keyed_hashes)
-PERSISTED = TaskType("persisted", _lower_persisted, value=True, value_hashes=_keyed_hashes)
+CONST = TaskType("const", _lower_const, value_hashes=_const_hashes)
+DELAYED = TaskType("delayed", _lower_delayed, value_hashes=_keyed_hashes)
+PERSISTED = TaskType("persisted", _lower_persisted, value_hashes=_keyed_hashes)

@@ -72,7 +72,6 @@ class PlanOptions:
 
     passes: tuple = ("cse", "cache", "prune", "prefix", "pipeline", "stage")
     granularity: str = "shard"
-    result_cache: bool = True
     stage_size: tuple[tuple[str, int], ...] = ()
     prefix_min_tokens: int = 16
     prefill_replicas: int | str = "auto"
@@ -83,7 +82,7 @@ class PlanOptions:
 
     @property
     def cache_key(self) -> tuple:
-        return (self.passes, self.granularity, self.result_cache, self.stage_size, self.prefix_min_tokens,
+        return (self.passes, self.granularity, self.stage_size, self.prefix_min_tokens,
                 self.prefill_replicas, self.block_size, self.settings,
                 self.results.version if self.results is not None else None)
 
@@ -94,7 +93,6 @@ class PlanOptions:
         if not rewrite.get("result-cache", True):
             passes = tuple(p for p in passes if p != "cache")
         return cls(passes=passes, granularity=rewrite.get("granularity", "shard"),
-                   result_cache=bool(rewrite.get("result-cache", True)),
                    stage_size=tuple(sorted((op, int(n)) for op, n in (rewrite.get("stage-size") or {}).items() if n)),
                    prefix_min_tokens=int(rewrite.get("prefix-min-tokens", 16)),
                    prefill_replicas=rewrite.get("prefill-replicas", "auto"), block_size=int(block_size),

@@ -56,7 +56,7 @@ class LazyNode(Node, DaskMethodsMixin):
         return [self._lowered().outputs[self.key]]
 
     def __dask_layers__(self):
-        return tuple(self.__dask_graph__().layers)
+        return tuple(self._lowered().graph.layers)
 
     def __dask_tokenize__(self):
         return self.key

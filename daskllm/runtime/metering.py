@@ -40,9 +40,9 @@ class Usage:
     decode_tokens: int = 0
     tasks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # Dataframe operators (ddf.llm.*): per operator, rows, distinct inputs, executed calls, failed ones.
-    operators: dict[str, TaskUsage] = field(default_factory=dict)
+    operators: dict[str, dict] = field(default_factory=dict)
     # Per LLM: prefill tokens computed and decode tokens (what the work cost, model by model).
-    models: dict[str, TaskUsage] = field(default_factory=dict)
+    models: dict[str, dict] = field(default_factory=dict)
     # With daskllm.metering.prompt-blocks: the distinct tokens in the prefix tree of every
     # prompt decoded (block-granular), the least prefill any plan could do; else None.
     distinct_prompt_tokens: int | None = None

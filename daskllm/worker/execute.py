@@ -20,7 +20,6 @@ from daskllm import config
 from daskllm.annotations import DECODE_TASK, EMBED_TASK, PREFILL_TASK, RERANK_TASK, SEARCH_TASK
 from daskllm.engines import PrefillHandle, SamplingParams
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
-from daskllm.index import merge_hits
 from daskllm.prompts import encode_parts, render_value
 from daskllm.streaming.split import Splitter
 from daskllm.streaming.stages import PmapSpec
@@ -158,10 +157,6 @@ def run_search(task_key: str, index_name: str, shard: int, k: int, items: list, 
     hits = search_shard(index_name, shard, vectors, k)
     _record(task_key, SEARCH_TASK, calls=len(items))
     return hits
-
-
-def merge_search(k: int, *per_shard) -> list:
-    return merge_hits(per_shard, k)
 
 
 def run_rerank(task_key: str, model: str, k: int | None, items: list, *deps) -> list[list[str]]:
