@@ -12,7 +12,8 @@ Systems, all on the same cluster and the same resident engines, so only orchestr
 - ``daskllm``: everything on;
 - ablations of ``daskllm`` with one feature off: ``-cse``, ``-prefix`` (shared-prefix
   prefill), ``-stage`` (stage split), ``-pipeline`` (decode pipelining), ``-cache`` (result
-  cache) and ``-placement`` (plain Dask placement instead of cache-aware).
+  cache), ``-placement`` (plain Dask placement instead of cache-aware) and ``-release`` (a task
+  waiting on its engine holds its worker thread, as a plain Dask task does).
 
 After one unmeasured warm-up run, every repetition runs every system once, in a rotating
 order, each from a cold start (empty
@@ -46,7 +47,7 @@ from machine import log, machine_info  # noqa: E402
 
 BASELINES = ("sequential", "opwise", "dask")
 ABLATIONS = {"-cse": "cse", "-prefix": "prefix", "-stage": "stage", "-pipeline": "pipeline", "-cache": "cache",
-             "-placement": None}
+             "-placement": None, "-release": None}
 SYSTEMS = (*BASELINES, "daskllm", *ABLATIONS)
 
 
@@ -110,6 +111,8 @@ def run_system(system: str, fn, inputs, config: dict):
     settings = {"passes": [p for p in daskllm_config.get("rewrite.passes") if p != off]} if off else {}
     if system == "-cache":
         settings["result_cache"] = False
+    if system == "-release":
+        settings["release_threads"] = False
     return plain(daskllm.compute(nodes, **settings)[0])
 
 

@@ -259,13 +259,14 @@ def _lift_prompt(builder: str, p: Prompt, options: dict) -> Node | None:
     return _pmap(p.values[slot], Stage(fn, len(others), lazy_ok=True), list(others.values()))
 
 
-def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None) -> dict:
+def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None, release_threads=None) -> dict:
     """Print (and return) the optimized plan: passes applied, tasks by type, calls merged, tokens saved.
 
     The settings are those of :func:`compute`: ``explain(node, passes=[], granularity="query")``
     shows the naive plan."""
     settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
-                                  "result_cache": result_cache}.items() if v is not None}
+                                  "result_cache": result_cache,
+                                  "release_threads": release_threads}.items() if v is not None}
     with submit.overrides(settings):
         report = submit.plan(list(nodes)).report
     lines = [f"passes applied: {', '.join(report.get('applied', [])) or 'none'}",

@@ -102,7 +102,7 @@ def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo
          f"documentation, {sum(plain_right)} of {len(asked)} without it.")
 
     echo("\n2. What the plan did with those questions (each plan timed from cold caches)\n")
-    settings = {"optimized": {}, "naive": {"passes": [], "granularity": "query"}}
+    settings = {"optimized": {}, "naive": {"passes": [], "granularity": "query", "release_threads": False}}
     report = {name: api.explain(hits, with_docs, file=io.StringIO(), result_cache=False, **kw)
               for name, kw in settings.items()}
     for line in _plan_lines(report["optimized"]):

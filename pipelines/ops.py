@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import daskllm
 
 # The plan a call gets in the naive baselines: no rewrites, one task per call, no reuse.
-NAIVE = {"passes": [], "granularity": "query", "result_cache": False}
+NAIVE = {"passes": [], "granularity": "query", "result_cache": False, "release_threads": False}
 
 
 @dataclass(frozen=True)

@@ -141,3 +141,24 @@ def test_tensor_parallel_models_get_a_group_of_gpus_per_worker(tiny_model_dir, r
     # a spec's tensor_parallel_size sets the group size
     with pytest.raises(ValueError, match="3 GPU"):
         LocalLLMCluster(models=[{"model": "tiny", "options": {"tensor_parallel_size": 3}}], gpus=["0", "1"])
+
+
+def _max_batch(dask_worker) -> int:
+    return dask_worker.plugins["daskllm-engines"].engines["llm"]["tiny"].stats().max_batch_size
+
+
+def test_tasks_waiting_on_the_engine_release_their_threads(llm_cluster):
+    """One worker thread: tasks that hold it send one request at a time; tasks that give it
+    back while they wait (release_threads, the default) put several in one engine step."""
+    import daskllm
+    from daskllm.runtime.control import cold_start
+
+    calls = [daskllm.generate(f"Release test {i}: {'count ' * i}", model="tiny", max_tokens=32, ignore_eos=True)
+             for i in range(8)]
+    with llm_cluster(n_workers=1, threads_per_worker=1, embedders=(), rerankers=()) as client:
+        held = daskllm.compute(*calls, passes=[], granularity="query", result_cache=False, release_threads=False)
+        assert max(client.run(_max_batch).values()) == 1
+        cold_start(client)
+        released = daskllm.compute(*calls, passes=[], granularity="query", result_cache=False)
+        assert max(client.run(_max_batch).values()) > 1
+    assert released == held

@@ -90,22 +90,27 @@ class Batcher(Generic[Item, Result]):
                 if self._closed:
                     return
                 batch = self._next_batch()
-            if not batch:
-                continue
-            flat = [item for items, _ in batch for item in items]
-            start = time.perf_counter()
-            try:
-                results = list(self._run_batch(flat))
-            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving
-                logger.exception("%s: batch failed", self._thread.name)
-                self.failed += len(batch)
-                for _, future in batch:
-                    future.set_exception(exc)
-                continue
-            self.busy_seconds += time.perf_counter() - start
-            self.batches += 1
-            self.items += len(flat)
-            offset = 0
-            for items, future in batch:
-                future.set_result(results[offset:offset + len(items)])
-                offset += len(items)
+            if batch:
+                self._run(batch)
+            # Nothing of a finished batch (results may be big, or hold futures that keep
+            # their keys alive) stays referenced while the loop waits for the next.
+            del batch
+
+    def _run(self, batch: list[tuple[list[Item], Future]]) -> None:
+        flat = [item for items, _ in batch for item in items]
+        start = time.perf_counter()
+        try:
+            results = list(self._run_batch(flat))
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving
+            logger.exception("%s: batch failed", self._thread.name)
+            self.failed += len(batch)
+            for _, future in batch:
+                future.set_exception(exc)
+            return
+        self.busy_seconds += time.perf_counter() - start
+        self.batches += 1
+        self.items += len(flat)
+        offset = 0
+        for items, future in batch:
+            future.set_result(results[offset:offset + len(items)])
+            offset += len(items)

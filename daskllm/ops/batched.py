@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dask._task_spec import Task
 
 from daskllm.annotations import TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
@@ -20,7 +19,7 @@ def lower_shards(ctx: Lowering, node: Node, kind: TaskType, fn: Callable, *param
         key = f"{task}-{ctx.token(node, item_hashes, shard)}"
         resolved, deps = ctx.resolve([calls[i] for i in shard])
         args = [r[0] if len(r) == 1 else tuple(r) for r in resolved]
-        ctx.add(task, key, Task(key, fn, key, *params, args, *deps),
+        ctx.add(task, key, ctx.engine_task(key, fn, key, *params, args, *deps),
                 TaskAnnotation(op=task, engine=engine, model=params[0], shard=len(shard)))
         ctx.place(node, item_hashes, shard, key)
     ctx.fill_duplicates(node, item_hashes)

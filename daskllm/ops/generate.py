@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from dask._task_spec import Task, TaskRef
+from dask._task_spec import TaskRef
 
 from daskllm.annotations import DECODE_TASK
 from daskllm.ops import pmap as pmap_op
@@ -47,11 +47,11 @@ def _lower(ctx: Lowering, node: Node) -> None:
             pre_keys.add(prefill_op.partials(ctx, model, partial))
         deps += [TaskRef(k) for k in sorted(pre_keys)]
         if split is None:
-            task = Task(key, run_decode, key, model, sampling, resolved, *deps)
+            task = ctx.engine_task(key, run_decode, key, model, sampling, resolved, *deps)
         else:
             channels = [[pmap_op.task_key(ctx, c, j, key) for c, j in consumers.get(item_hashes[i], [])]
                         for i in shard]
-            task = Task(key, run_decode_split, key, model, sampling, split, channels, resolved, *deps)
+            task = ctx.engine_task(key, run_decode_split, key, model, sampling, split, channels, resolved, *deps)
         ctx.add(TASK, key, task, prefill_op.prompt_annotation(ctx, TASK, model, [calls[i].known for i in shard],
                                                               sampling.max_tokens, len(shard)))
         ctx.place(node, item_hashes, shard, key)

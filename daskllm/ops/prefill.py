@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-from dask._task_spec import Task
 
 from daskllm.annotations import PREFILL_TASK, TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
@@ -52,7 +51,7 @@ def _lower(ctx: Lowering, node: Node) -> None:
     for i, call in enumerate(ctx.calls(node)):
         key = f"{TASK}-{item_hashes[i]}"
         resolved, deps = ctx.resolve([call.parts])
-        ctx.add(TASK, key, Task(key, run_prefill, key, model, (call.special, resolved[0]), *deps),
+        ctx.add(TASK, key, ctx.engine_task(key, run_prefill, key, model, (call.special, resolved[0]), *deps),
                 prompt_annotation(ctx, TASK, model, [call.known], 0, 1))
         ctx.loc[node].append((key, None))
 
@@ -63,7 +62,7 @@ def replica(ctx: Lowering, pre: Node, shard_number: int) -> str:
     copy = shard_number % _replicas(ctx, model)
     key = f"{TASK}-{stable_hash(model, tokens)}-r{copy}"
     if not ctx.has(key):
-        ctx.add(TASK, key, Task(key, run_prefill, key, model, (True, [tokens])),
+        ctx.add(TASK, key, ctx.engine_task(key, run_prefill, key, model, (True, [tokens])),
                 prompt_annotation(ctx, TASK, model, [tokens], 0, 1))
         if copy:  # a copy on another worker: prefill work above the single-engine bound
             ctx.memo["prefill_replica_tokens"] = ctx.memo.get("prefill_replica_tokens", 0) + len(tokens)
@@ -76,7 +75,7 @@ def partials(ctx: Lowering, model: str, prefills: list[Node]) -> str:
     tokens = sorted({p.params["tokens"] for p in prefills})
     key = f"{TASK}-{stable_hash(model, tokens)}"
     if not ctx.has(key):
-        ctx.add(TASK, key, Task(key, run_prefill_many, key, model, tokens),
+        ctx.add(TASK, key, ctx.engine_task(key, run_prefill_many, key, model, tokens),
                 prompt_annotation(ctx, TASK, model, tokens, 0, len(tokens)))
     return key
 

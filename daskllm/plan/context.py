@@ -76,6 +76,7 @@ class PlanOptions:
     prefix_min_tokens: int = 16
     prefill_replicas: int | str = "auto"
     block_size: int = 16
+    release_threads: bool = True  # tasks waiting on engines secede (``daskllm.rewrite.release-threads``)
     settings: tuple = ()  # every rewrite setting, as sorted items: travels with pmaps for their nested plans
     results: ResultLookup | None = field(default=None, compare=False)
     submit_nested: Callable | None = field(default=None, compare=False)
@@ -83,7 +84,7 @@ class PlanOptions:
     @property
     def cache_key(self) -> tuple:
         return (self.passes, self.granularity, self.stage_size, self.prefix_min_tokens,
-                self.prefill_replicas, self.block_size, self.settings,
+                self.prefill_replicas, self.block_size, self.release_threads, self.settings,
                 self.results.version if self.results is not None else None)
 
     @classmethod
@@ -96,6 +97,7 @@ class PlanOptions:
                    stage_size=tuple(sorted((op, int(n)) for op, n in (rewrite.get("stage-size") or {}).items() if n)),
                    prefix_min_tokens=int(rewrite.get("prefix-min-tokens", 16)),
                    prefill_replicas=rewrite.get("prefill-replicas", "auto"), block_size=int(block_size),
+                   release_threads=bool(rewrite.get("release-threads", True)),
                    settings=tuple(sorted((k, _frozen(v)) for k, v in rewrite.items())), **extra)
 
     def stage_sizes(self) -> dict[str, int]:

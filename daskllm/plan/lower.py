@@ -30,7 +30,7 @@ from daskllm.ops.base import INLINE
 from daskllm.plan.context import ClusterView, PlanOptions, decision, state
 from daskllm.plan.items import hashes, items
 from daskllm.plan.ir import Dyn, Node, stable_hash
-from daskllm.worker.execute import Ref, assemble
+from daskllm.worker.execute import Ref, assemble, off_thread
 
 OUTPUT = "output"  # the layer of the tasks holding the requested nodes' values
 
@@ -119,6 +119,11 @@ class Lowering:
         if pin is not None:
             self.pinned[key] = [pin]
         self.counts[layer] += 1
+
+    def engine_task(self, key: str, fn, *args) -> Task:
+        """A task whose function waits on an engine: off the worker's thread count unless
+        ``release_threads`` is off (then it holds its thread, as a plain Dask task does)."""
+        return Task(key, off_thread, fn, *args) if self.options.release_threads else Task(key, fn, *args)
 
     def add_graph(self, graph: HighLevelGraph) -> None:
         self.extra_graphs.append(graph)

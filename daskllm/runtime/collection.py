@@ -111,10 +111,11 @@ class Joint(DaskMethodsMixin):
     __dask_scheduler__ = staticmethod(dask.threaded.get)
 
 
-def compute(*nodes, passes=None, granularity=None, result_cache=None, **kwargs):
+def compute(*nodes, passes=None, granularity=None, result_cache=None, release_threads=None, **kwargs):
     """``dask.compute`` with per-call rewrite settings; daskllm nodes are planned together."""
     settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
-                                  "result_cache": result_cache}.items() if v is not None}
+                                  "result_cache": result_cache,
+                                  "release_threads": release_threads}.items() if v is not None}
     with submit.overrides({**settings, **kwargs}) as rest:
         ours = list(dict.fromkeys(n for n in nodes if isinstance(n, Node)))
         if not ours:

@@ -29,7 +29,7 @@ from daskllm.streaming.stages import Submitted
 from daskllm.worker.results import RESULTS
 
 OVERRIDE_KEYS = {"passes": "rewrite.passes", "granularity": "rewrite.granularity",
-                 "result_cache": "rewrite.result-cache"}
+                 "result_cache": "rewrite.result-cache", "release_threads": "rewrite.release-threads"}
 
 
 @contextlib.contextmanager
@@ -95,7 +95,7 @@ def submit_nested(client, values: list, planning, **restrictions) -> Submitted:
     computation's settings and cluster view (``planning``), anything else through Dask."""
     options, view = planning
     options = dataclasses.replace(options, results=RESULTS, submit_nested=submit_nested)
-    nodes = list({id(v): v for v in values if isinstance(v, Node)}.values())
+    nodes = list({v.key: v for v in values if isinstance(v, Node)}.values())
     by_key, requested, task_keys = {}, {}, set()
     if nodes:
         submission = plan_and_submit(nodes, client, options=options, view=view, **restrictions)

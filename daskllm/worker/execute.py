@@ -18,6 +18,9 @@ import numpy as np
 
 from daskllm import config
 from daskllm.annotations import DECODE_TASK, EMBED_TASK, PREFILL_TASK, RERANK_TASK, SEARCH_TASK
+from distributed import secede
+from distributed.worker import thread_state
+
 from daskllm.engines import PrefillHandle, SamplingParams
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
 from daskllm.prompts import encode_parts, render_value
@@ -53,6 +56,16 @@ def _tokens(call, deps, engine) -> list[int]:
         return list(parts[0])
     text = [render_value(_value(p, deps)) if isinstance(p, Ref) else p for p in parts]
     return list(encode_parts(text, special, lambda t, s: engine.tokenize(t, add_special_tokens=s)))
+
+
+def off_thread(fn, *args):
+    """Run the task ``fn(*args)``, which mostly waits on its engine, without holding a slot of
+    the worker's thread pool (Dask's ``secede``): the worker starts other tasks meanwhile and
+    their requests join the same engine steps, so the engine's batch limit, not the thread
+    count, bounds a batch. The scheduler counts the task as long-running."""
+    if getattr(thread_state, "key", None) is not None:  # a task thread on a worker
+        secede()
+    return fn(*args)
 
 
 def _record(task_key: str, op: str, **counters) -> None:
