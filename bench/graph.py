@@ -10,11 +10,12 @@ What it measures:
    by the previous step's output, the first from a list of distinct questions. For each of
    ``--sizes`` queries it times, separately: building the nodes (``daskllm.generate`` /
    ``daskllm.prompt``), planning (``daskllm.plan.planner.optimize``: the IR graph and every rewrite
-   pass, each timed on its own) and lowering (``_Lowering(graph).run()``), which together are
-   exactly what ``daskllm.runtime.submit.plan([node])`` does. Nothing is executed: only the
-   tokenizer is loaded. Before each repetition the lowering memo (``_lowered_cache``), the
-   result cache and the client-side tokenizer memo (``PromptTokenizer.encode``) are cleared,
-   so every repetition plans from cold, as a first ``compute`` would. Once per size the same
+   pass, each timed on its own) and lowering (``daskllm.plan.lower.lower(graph)``), which together
+   are exactly what ``daskllm.runtime.submit.plan([node])`` does. Nothing is executed: only the
+   tokenizer is loaded. Before each repetition the plan cache (``submit._plans``), the result
+   cache and the client-side tokenizer memos (``PromptTokenizer.encode``, ``stable_prefix``,
+   the block-hash memo) are cleared, so every repetition plans from cold, as a first
+   ``compute`` would. Once per size the same
    plan is lowered again with ``granularity="query"``, to count the tasks that knob gives.
    Target: under 10 s for 20,000 queries x 10 operators.
 2. **Passes on vs off, end to end.** A ``LocalLLMCluster(models=[--model], n_workers=--workers)``
@@ -38,6 +39,7 @@ The JSON keeps every raw number and the machine information.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -54,9 +56,12 @@ from machine import log
 from machine import machine_info as shared_machine_info
 
 import daskllm
-from daskllm.runtime import submit as lower
-from daskllm.prompts import PromptTokenizer, tokenizer_for
+from daskllm.plan import lower as lowering
+from daskllm.plan import planner
+from daskllm.plan.context import LOCAL, state
 from daskllm.plan.passes import REGISTRY, register_pass
+from daskllm.prompts import PromptTokenizer, tokenizer_for
+from daskllm.runtime import submit as lower
 from daskllm.worker.results import RESULTS
 
 DEFAULT_PASSES = list(dask.config.get("daskllm.rewrite.passes"))
@@ -249,9 +254,11 @@ def build_chain(questions: list[str], steps: int, model: str):
 
 
 def cold_planning_state() -> None:
-    lower._lowered_cache.clear()
+    lower._plans.clear()
     RESULTS.clear()
     PromptTokenizer.encode.cache_clear()
+    PromptTokenizer.stable_prefix.cache_clear()
+    lowering._hex_block_hashes.cache_clear()
     gc.collect()
 
 
@@ -261,9 +268,9 @@ def plan_once(questions: list[str], args) -> tuple[dict, object, nx.DiGraph]:
     node = build_chain(questions, args.steps, args.plan_model)
     t1 = time.perf_counter()
     with _PassTimes() as passes:
-        graph = lower.plan([node])
+        graph = planner.optimize([node], lower.current_options(), LOCAL)
     t2 = time.perf_counter()
-    result = lower._Lowering(graph).run()
+    result = lowering.lower(graph)
     t3 = time.perf_counter()
     report = result.report
     row = {"build_s": t1 - t0, "plan_s": t2 - t1, "lower_s": t3 - t2, "total_s": t3 - t0,
@@ -289,8 +296,10 @@ def bench_planning(args, log) -> dict:
                 f"({', '.join(f'{k} {v:.2f}' for k, v in row['pass_s'].items())}), lower {row['lower_s']:.2f}s")
         # The same plan lowered one task per call: what granularity="query" would hand the scheduler.
         start = time.perf_counter()
-        with dask.config.set({"daskllm.rewrite.granularity": "query"}):
-            per_query = lower._Lowering(graph).run().report["tasks"]
+        plan = state(graph)
+        graph.graph["state"] = dataclasses.replace(plan, options=dataclasses.replace(plan.options,
+                                                                                  granularity="query"))
+        per_query = lowering.lower(graph).report["tasks"]
         query_lower_s = time.perf_counter() - start
         del node, graph
         gc.collect()
@@ -345,7 +354,7 @@ def run_mode(client, nodes, settings: dict) -> tuple[dict, tuple]:
 
     client.run(reset_prefix_caches)
     RESULTS.clear()
-    lower._lowered_cache.clear()
+    lower._plans.clear()
     before = _engine_counters(client)
     with daskllm.usage() as u:
         start = time.perf_counter()
