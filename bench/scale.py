@@ -58,7 +58,7 @@ def plan_once(build) -> dict:
     from daskllm.prompts import PromptTokenizer
     from daskllm.worker.results import RESULTS
 
-    lower._lowered_cache.clear()
+    lower._plans.clear()
     RESULTS.clear()
     PromptTokenizer.encode.cache_clear()
     gc.collect()

@@ -7,7 +7,7 @@ Nothing else couples the planner to the placement plugin: it never reads key nam
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 # The lowered task types, as annotations and usage records name them (the ops modules lower to them).
 PREFILL_TASK = "prefill"  # warms an engine's prefix cache; its decodes should run where it ran
@@ -40,7 +40,9 @@ class TaskAnnotation:
     index_shard: int | None = None
 
     def as_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if v is not None}
+        # Field by field (its slots), not dataclasses.asdict: every value is a str, an int or
+        # None but the prefix, which asdict would deep-copy only for it to become a list here.
+        out = {k: v for k in self.__slots__ if (v := getattr(self, k)) is not None}
         out["prefix"] = list(self.prefix)
         return out
 

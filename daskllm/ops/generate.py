@@ -39,7 +39,8 @@ def _lower(ctx: Lowering, node: Node) -> None:
         key = f"{TASK}-{ctx.token(node, item_hashes, shard)}"
         resolved, deps = ctx.resolve([calls[i].parts for i in shard])
         resolved = [(calls[i].special, parts) for i, parts in zip(shard, resolved)]
-        waiting = [prefills[i] for i in shard if prefills[i] is not None]
+        # The prefills the shard's calls wait for, each once: a template's calls share them.
+        waiting = [p for p in dict.fromkeys(prefills[i] for i in shard) if p is not None]
         partial = [p for p in waiting if prefill_op.is_partial(p)]
         pre_keys = {prefill_op.replica(ctx, p, number) if ctx.loc[p] == [None] else ctx.loc[p][0][0]
                     for p in waiting if not prefill_op.is_partial(p)}

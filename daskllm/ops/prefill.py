@@ -23,9 +23,18 @@ TASK = PREFILL_TASK
 def prompt_annotation(ctx: Lowering, task: str, model: str, prefixes: list[tuple[int, ...]], max_tokens: int,
                       shard: int) -> TaskAnnotation:
     """What placement needs to know about a task of prompted calls: the prefix they share, their work."""
-    common = tuple(os.path.commonprefix(prefixes)) if prefixes else ()
+    common = _common_prefix(prefixes)
     return TaskAnnotation(op=task, engine="llm", model=model, prefix=ctx.prefix_hashes(common),
                           prompt_tokens=sum(len(p) for p in prefixes), max_tokens=max_tokens * shard, shard=shard)
+
+
+def _common_prefix(prefixes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    # os.path.commonprefix compares id by id in Python; where a task's calls all know the same
+    # ids (one call, or a template's waiting calls) one comparison in C says so.
+    if not prefixes:
+        return ()
+    first, last = min(prefixes), max(prefixes)
+    return tuple(first if first == last else os.path.commonprefix([first, last]))
 
 
 def shared(model: str, tokens: tuple[int, ...], *, partial: bool = False) -> Node:
@@ -60,24 +69,29 @@ def replica(ctx: Lowering, pre: Node, shard_number: int) -> str:
     """The key of the copy of a shared prefill that decode shard ``shard_number`` waits for."""
     model, tokens = pre.params["model"], pre.params["tokens"]
     copy = shard_number % _replicas(ctx, model)
-    key = f"{TASK}-{stable_hash(model, tokens)}-r{copy}"
-    if not ctx.has(key):
-        ctx.add(TASK, key, ctx.engine_task(key, run_prefill, key, model, (True, [tokens])),
-                prompt_annotation(ctx, TASK, model, [tokens], 0, 1))
-        if copy:  # a copy on another worker: prefill work above the single-engine bound
-            ctx.memo["prefill_replica_tokens"] = ctx.memo.get("prefill_replica_tokens", 0) + len(tokens)
-    return key
+    made = ctx.memo.setdefault("prefill_copies", {})  # (prefill, copy) -> key: many shards wait for one copy
+    if (pre, copy) not in made:
+        key = made[pre, copy] = f"{TASK}-{stable_hash(model, tokens)}-r{copy}"
+        if not ctx.has(key):
+            ctx.add(TASK, key, ctx.engine_task(key, run_prefill, key, model, (True, [tokens])),
+                    prompt_annotation(ctx, TASK, model, [tokens], 0, 1))
+            if copy:  # a copy on another worker: prefill work above the single-engine bound
+                ctx.memo["prefill_replica_tokens"] = ctx.memo.get("prefill_replica_tokens", 0) + len(tokens)
+    return made[pre, copy]
 
 
 def partials(ctx: Lowering, model: str, prefills: list[Node]) -> str:
     """One task prefilling what a decode shard's waiting calls already know: it is placed
     (and its blocks cached) where the shard will run, and costs one task, not one per call."""
-    tokens = sorted({p.params["tokens"] for p in prefills})
-    key = f"{TASK}-{stable_hash(model, tokens)}"
-    if not ctx.has(key):
-        ctx.add(TASK, key, ctx.engine_task(key, run_prefill_many, key, model, tokens),
-                prompt_annotation(ctx, TASK, model, tokens, 0, len(tokens)))
-    return key
+    made = ctx.memo.setdefault("partial_prefills", {})  # the shards of one template wait for the same ones
+    group = (model, frozenset(prefills))
+    if group not in made:
+        tokens = sorted({p.params["tokens"] for p in prefills})
+        key = made[group] = f"{TASK}-{stable_hash(model, tokens)}"
+        if not ctx.has(key):
+            ctx.add(TASK, key, ctx.engine_task(key, run_prefill_many, key, model, tokens),
+                    prompt_annotation(ctx, TASK, model, tokens, 0, len(tokens)))
+    return made[group]
 
 
 def _replicas(ctx: Lowering, model: str) -> int:

@@ -37,10 +37,15 @@ def _encode(value) -> bytes:
     if kind is str:
         return b"s" + value.encode()
     if kind is tuple or kind is list:
-        try:  # token ids: the common case, encoded in one go
-            return b"i" + array("q", value).tobytes()
-        except (TypeError, OverflowError):
-            return b"(" + b",".join(_encode(v) for v in value) + b")"
+        # Token ids, the common case, are encoded in one go. array("q") takes exactly what has
+        # __index__, so a sequence that begins otherwise (a prompt's text parts) skips the
+        # attempt: a raised TypeError costs more than the encoding.
+        if not value or hasattr(type(value[0]), "__index__"):
+            try:
+                return b"i" + array("q", value).tobytes()
+            except (TypeError, OverflowError):
+                pass
+        return b"(" + b",".join([_encode(v) for v in value]) + b")"
     if isinstance(value, bytes):
         return b"b" + value
     if isinstance(value, (int, float, bool)) or value is None:

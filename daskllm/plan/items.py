@@ -18,7 +18,7 @@ import networkx as nx
 from daskllm.ops import task_type
 from daskllm.ops.values import input_part
 from daskllm.plan.ir import Dyn, Node, stable_hash
-from daskllm.prompts import Prompt, Text, Tokens, render_chat, render_value, tokenizer_for
+from daskllm.prompts import Prompt, PromptTokenizer, Text, Tokens, render_chat, render_value, tokenizer_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +38,8 @@ class PromptCall:
 
     @property
     def static(self) -> bool:
-        return not any(isinstance(p, Dyn) for p in self.parts)
-
-
-def _hash_of(graph: nx.DiGraph, part) -> object:
-    if isinstance(part, Dyn):
-        return ("dyn", hashes(graph, part.node)[part.index])
-    return part
+        # In O(1), as passes ask it of every call: a known prompt is its ids alone; a waiting one has a Dyn.
+        return len(self.parts) == 1 and not isinstance(self.parts[0], Dyn)
 
 
 def items(graph: nx.DiGraph, node: Node) -> list:
@@ -58,16 +53,25 @@ def hashes(graph: nx.DiGraph, node: Node) -> list[str]:
     data = graph.nodes[node]
     if "hashes" not in data:
         kind = task_type(node)
-        if kind.value_hashes is not None:
-            data["hashes"] = kind.value_hashes(node)
-        else:
-            salt = stable_hash(node.op, node.params_for_hash())
-            # A sampled call without a seed is unique: never merged, not even with its twin in a batch.
-            unique = node.params.get("nonce")
-            data["hashes"] = [stable_hash(salt, [_hash_of(graph, p) for p in _flat(item)],
-                                          (node.hash, i) if unique else None)
-                              for i, item in enumerate(items(graph, node))]
+        data["hashes"] = kind.value_hashes(node) if kind.value_hashes is not None else _call_hashes(graph, node)
     return data["hashes"]
+
+
+def _call_hashes(graph: nx.DiGraph, node: Node) -> list[str]:
+    salt = stable_hash(node.op, node.params_for_hash())
+    # A sampled call without a seed is unique: never merged, not even with its twin in a batch.
+    unique = node.params.get("nonce")
+    upstream: dict[Node, list[str]] = {}  # a producer's call hashes, looked up once per node
+
+    def hash_of(part):
+        if isinstance(part, Dyn):
+            if part.node not in upstream:
+                upstream[part.node] = hashes(graph, part.node)
+            return ("dyn", upstream[part.node][part.index])
+        return part
+
+    return [stable_hash(salt, [hash_of(p) for p in _flat(item)], (node.hash, i) if unique else None)
+            for i, item in enumerate(items(graph, node))]
 
 
 def _flat(item) -> list:
@@ -76,28 +80,34 @@ def _flat(item) -> list:
     return item if isinstance(item, list) else list(item) if isinstance(item, tuple) else [item]
 
 
-def prompt_call(graph: nx.DiGraph, node: Node, i: int) -> PromptCall:
-    """The prompt of call i, tokenized whole where it is known."""
+def prompt_calls(node: Node) -> list[PromptCall]:
+    """Every call's prompt, tokenized whole where it is known. What the calls of one template
+    share (the tokenizer, the rendered chat) is looked up once per node, not once per call."""
     tok = tokenizer_for(node.params["model"])
     segments = node.template
     if node.chat is not None:
-        segments = graph.nodes[node].get("rendered")
-        if segments is None:
-            segments = graph.nodes[node]["rendered"] = render_chat(_chat_prompt(node), tok.tokenizer)
+        segments = render_chat(_chat_prompt(node), tok.tokenizer)
     special = node.chat is None
+    return [_prompt_call(tok, node, segments, special, i) for i in range(node.n)]
+
+
+def _prompt_call(tok: PromptTokenizer, node: Node, segments, special: bool, i: int) -> PromptCall:
     parts: list = []
+    dynamic = None  # the first part waiting for an upstream output
     for seg in segments:
         if isinstance(seg, Tokens):
             parts.append(seg.ids)
             continue
         value = seg.text if isinstance(seg, Text) else input_part(node, seg.name, i)
-        if not isinstance(value, Dyn):
+        if isinstance(value, Dyn):
+            if dynamic is None:
+                dynamic = len(parts)
+        else:
             value = render_value(value)
             if parts and isinstance(parts[-1], str):
                 parts[-1] += value
                 continue
         parts.append(value)
-    dynamic = next((j for j, p in enumerate(parts) if isinstance(p, Dyn)), None)
     if dynamic is None:
         ids = tok.encode_parts(parts, special)
         return PromptCall((ids,), special, ids)
@@ -111,7 +121,7 @@ def _chat_prompt(node: Node) -> Prompt:
 def _resolve(graph: nx.DiGraph, node: Node) -> list:
     kind = task_type(node)
     if kind.prompted:
-        return [prompt_call(graph, node, i) for i in range(node.n)]
+        return prompt_calls(node)
     if kind.call_parts is not None:
         return [kind.call_parts(graph, node, i) for i in range(node.n)]
     if kind.inputs:
@@ -119,4 +129,4 @@ def _resolve(graph: nx.DiGraph, node: Node) -> list:
     raise ValueError(f"{node.label}: op {node.op!r} makes no calls")
 
 
-__all__ = ["Dyn", "PromptCall", "hashes", "items", "prompt_call"]
+__all__ = ["Dyn", "PromptCall", "hashes", "items", "prompt_calls"]

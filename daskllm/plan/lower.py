@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from daskllm.annotations import TaskAnnotation
 from daskllm.engines.kv_cache import block_hashes
 from daskllm.ops import cacheable, task_type
 from daskllm.ops.base import INLINE
+from daskllm.plan import collector
 from daskllm.plan.context import ClusterView, PlanOptions, decision, state
 from daskllm.plan.items import hashes, items
 from daskllm.plan.ir import Dyn, Node, stable_hash
@@ -221,7 +223,7 @@ def _hex_block_hashes(tokens: tuple[int, ...], block: int) -> tuple[str, ...]:
 def prefill_lower_bound(prompts) -> int:
     """Distinct tokens in the prefix tree of all prompts (per model): no run can prefill fewer."""
     total, previous = 0, None
-    for model, tokens in sorted(prompts):
+    for model, tokens in sorted(prompts, key=_by_ids):
         if previous is not None and previous[0] == model:
             shared = len(os.path.commonprefix([previous[1], tokens]))
         else:
@@ -231,5 +233,13 @@ def prefill_lower_bound(prompts) -> int:
     return total
 
 
+def _by_ids(prompt: tuple[str, tuple[int, ...]]) -> tuple[str, bytes]:
+    # Big-endian bytes order as the ids do, and compare at C speed: prompts from one template
+    # share long prefixes, slow to compare id by id.
+    model, tokens = prompt
+    return model, struct.pack(f">{len(tokens)}I", *tokens)
+
+
+@collector.paused()
 def lower(graph: nx.DiGraph) -> Lowered:
     return Lowering(graph).run()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from daskllm.plan import collector
 from daskllm.plan.context import ClusterView, PlanOptions, PlanState
 from daskllm.plan.ir import Node
 from daskllm.plan.lower import Lowered, lower
@@ -28,6 +29,7 @@ def build(outputs: list[Node], options: PlanOptions, view: ClusterView) -> nx.Di
     return graph
 
 
+@collector.paused()
 def optimize(outputs: list[Node], options: PlanOptions, view: ClusterView) -> nx.DiGraph:
     """The IR graph of ``outputs`` with the options' passes applied."""
     graph = PassManager(options.passes).run(build(outputs, options, view))

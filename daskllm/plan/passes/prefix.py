@@ -68,24 +68,24 @@ class SharedPrefixPrefill:
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
         plan = state(graph)
         block, threshold = plan.options.block_size, plan.options.prefix_min_tokens
-        # model -> static prefix -> [(node, item, fully static?)]: calls from one template share
-        # a prefix, so the tree is built over distinct prefixes, weighted by their calls.
-        calls: dict[str, dict[tuple[int, ...], list[tuple[Node, int, bool]]]] = {}
+        # model -> static prefix -> [(node, its calls with that prefix, fully static?)]: calls from
+        # one template share a prefix, so the tree is built over distinct prefixes, weighted by
+        # their calls, and what a group of calls waits for is decided once for the group.
+        calls: dict[str, dict[tuple[int, ...], list[tuple[Node, list[int], bool]]]] = {}
         for node in list(graph):
             if node.op != generate_op.GENERATE.name:
                 continue
             cached = decision(graph, node).cached or (None,) * node.n
-            by_prefix = calls.setdefault(node.params["model"], {})
-            seen_static: set = set()
+            groups: dict[tuple[tuple[int, ...], bool], list[int]] = {}
             for i, item in enumerate(items(graph, node)):
                 if cached[i] is not None:
                     continue
-                prefix, static = item.known, item.static
-                if static:  # identical static prompts are one call (CSE): count them once
-                    if prefix in seen_static:
-                        continue
-                    seen_static.add(prefix)
-                by_prefix.setdefault(prefix, []).append((node, i, static))
+                members = groups.setdefault((item.known, item.static), [])
+                if not (item.static and members):  # identical static prompts are one call (CSE): count them once
+                    members.append(i)
+            by_prefix = calls.setdefault(node.params["model"], {})
+            for (prefix, static), members in groups.items():
+                by_prefix.setdefault(prefix, []).append((node, members, static))
         prefills: dict[tuple[str, tuple[int, ...]], Node] = {}
         assigned: dict[Node, list] = {}  # generate node -> per call, the prefill it waits for
         shared = partial = saved = 0
@@ -93,10 +93,10 @@ class SharedPrefixPrefill:
             trie = _Trie()
             blocks_of = {prefix: _blocks(prefix, block) for prefix in by_prefix}
             for prefix, group in by_prefix.items():
-                trie.insert(prefix, blocks_of[prefix], len(group))
+                trie.insert(prefix, blocks_of[prefix], sum(len(members) for _, members, _ in group))
             for prefix, group in by_prefix.items():
                 depth, shared_node = trie.shared(blocks_of[prefix])
-                for node, i, static in group:
+                for node, members, static in group:
                     if not static and len(prefix) >= threshold:
                         # Waits for upstream output: prefill all it knows now (this covers
                         # any shared part too; the engine reuses that across calls).
@@ -107,6 +107,7 @@ class SharedPrefixPrefill:
                     else:
                         continue
                     key = (model, tokens)
+                    reused = len(members)
                     if key not in prefills:
                         # A partial prefill serves one call: lowering batches those of a decode
                         # shard into one task, placed with the shard.
@@ -114,13 +115,16 @@ class SharedPrefixPrefill:
                         graph.add_node(prefills[key])
                         shared += kind == "shared"
                         partial += kind == "partial"
-                    else:
-                        saved += len(tokens)
+                        reused -= 1
+                    saved += reused * len(tokens)
                     pre = prefills[key]
-                    assigned.setdefault(node, [None] * node.n)[i] = pre
+                    if node not in assigned:
+                        assigned[node] = [None] * node.n
+                    for i in members:
+                        assigned[node][i] = pre
                     graph.add_edge(pre, node)
         for node, pres in assigned.items():
             decide(graph, node, prefills=tuple(pres))
         plan.report["prefix"] = {"prefills": len(prefills), "shared": shared, "partial": partial,
-                                           "prefill_tokens_saved": saved}
+                                 "prefill_tokens_saved": saved}
         return graph
