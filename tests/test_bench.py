@@ -132,7 +132,8 @@ def test_quality_plans_remove_one_thing_each():
 
     names = quality.plan_names()
     assert names[:2] == ["optimized", "naive"] and "-prefix" in names and "-placement" in names
-    assert quality.plan_settings("naive") == ({"passes": [], "granularity": "query", "result_cache": False}, "off")
+    assert quality.plan_settings("naive") == ({"passes": [], "granularity": "query", "result_cache": False,
+                                                  "release_threads": False}, "off")
     settings, policy = quality.plan_settings("-cse")
     assert "cse" not in settings["passes"] and "prefix" in settings["passes"] and policy == "cache_aware"
     assert quality.plan_settings("optimized") == ({"passes": None, "result_cache": False}, "cache_aware")
