@@ -293,6 +293,10 @@ def test_usage_counts_the_work_items_asked_for(client):
         daskllm.compute(daskllm.generate(daskllm.prompt("Say {x}:", x=s), max_tokens=2), result_cache=False)
     assert u.requested["generate"] == 1 + n and u.executed["generate"] == 1 + n
     assert u.decode_tokens == 48 + 2 * n
+    # where the time went: both workers' engines ran steps, for part of the block's wall time
+    assert u.engines["llm:tiny"]["count"] == 2 and u.engines["llm:tiny"]["busy_seconds"] > 0
+    assert 0 < u.engine_busy()["llm:tiny"] <= 1 and u.planning_seconds > 0
+    assert "engines busy: llm:tiny 2 x" in str(u)
 
 
 def _set_inline_bytes(n):

@@ -46,7 +46,18 @@ class Usage:
     # With daskllm.metering.prompt-blocks: the distinct tokens in the prefix tree of every
     # prompt decoded (block-granular), the least prefill any plan could do; else None.
     distinct_prompt_tokens: int | None = None
+    # Where the block's wall time went: planning on this client (every plan made here, a
+    # cached plan costing ~0), and per engine ("llm:tiny", ...) how many engines ran and the
+    # seconds they spent in steps (the engines' own busy_seconds counters, summed).
+    wall_seconds: float = 0.0
+    planning_seconds: float = 0.0
+    engines: dict[str, dict] = field(default_factory=dict)
     task_keys: set = field(default_factory=set, repr=False)
+
+    def engine_busy(self) -> dict[str, float]:
+        """Per engine, the fraction of the block's wall time its engines were computing."""
+        return {name: e["busy_seconds"] / (e["count"] * self.wall_seconds) if self.wall_seconds else 0.0
+                for name, e in self.engines.items()}
 
     @property
     def prefill_tokens(self) -> int:
@@ -57,7 +68,8 @@ class Usage:
                 "prefill_tokens_computed": self.prefill_tokens_computed,
                 "prefill_tokens_cached": self.prefill_tokens_cached, "decode_tokens": self.decode_tokens,
                 "tasks": dict(self.tasks), "operators": dict(self.operators), "models": dict(self.models),
-                "distinct_prompt_tokens": self.distinct_prompt_tokens}
+                "distinct_prompt_tokens": self.distinct_prompt_tokens, "wall_seconds": self.wall_seconds,
+                "planning_seconds": self.planning_seconds, "engines": dict(self.engines)}
 
     def __str__(self) -> str:
         ops = sorted(set(self.requested) | set(self.executed))
@@ -68,6 +80,10 @@ class Usage:
         for name, stats in self.operators.items():
             lines.append(f"ddf.llm.{name}: {stats['rows']} rows, {stats['distinct']} distinct inputs, "
                          f"{stats['executed']} executed, {stats['failed']} failed")
+        busy = ", ".join(f"{name} {e['count']} x {self.engine_busy()[name]:.0%}" for name, e in sorted(self.engines.items())
+                         if e["busy_seconds"])
+        lines.append(f"time: {self.wall_seconds:.2f} s wall, {self.planning_seconds:.2f} s planning here; "
+                     f"engines busy: {busy or 'none'}")
         return "\n".join(lines)
 
     def _add_records(self, records: dict[str, TaskUsage]) -> None:
@@ -113,6 +129,7 @@ class Usage:
 class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
     def __enter__(self) -> Usage:
         self.result = Usage()
+        self.busy_before = _engine_busy()
         self.started = time.time()
         with _lock:
             _active.append(self.result)
@@ -125,6 +142,34 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
         # Dataframe operators run outside our lowering: their records are found by time.
         records.update(_records_since(self.started))
         self.result._add_records(_with_children(records))
+        self.result.wall_seconds = time.time() - self.started
+        before = self.busy_before
+        for (where, name), seconds in _engine_busy().items():
+            e = self.result.engines.setdefault(name, {"count": 0, "busy_seconds": 0.0})
+            e["count"] += 1
+            e["busy_seconds"] += seconds - before.get((where, name), 0.0)
+
+
+def _engine_busy() -> dict[tuple[str, str], float]:
+    """(worker, "kind:model") -> the engine's busy seconds so far, on every worker and here."""
+    found = {("local", name): s for name, s in _host_busy(local_host()).items()}
+    try:
+        client = default_client()
+    except ValueError:
+        return found
+    for worker, busy in client.run(_worker_engine_busy).items():
+        found.update({(worker, name): s for name, s in busy.items()})
+    return found
+
+
+def _host_busy(plugin) -> dict[str, float]:
+    return {f"{kind}:{name}": getattr(engine.stats(), "busy_seconds", 0.0)
+            for kind, engines in plugin.engines.items() for name, engine in engines.items()}
+
+
+def _worker_engine_busy(dask_worker=None) -> dict[str, float]:
+    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
+    return _host_busy(plugin) if plugin is not None else {}
 
 
 def _records_since(started: float) -> dict[str, TaskUsage]:
@@ -158,6 +203,13 @@ def _with_children(records: dict[str, TaskUsage]) -> dict[str, TaskUsage]:
             break
         records.update(_records(new))
     return records
+
+
+def note_planning(seconds: float) -> None:
+    """Called by the runtime: time spent planning (on this client) during the active blocks."""
+    with _lock:
+        for u in _active:
+            u.planning_seconds += seconds
 
 
 def note_lowering(lowered) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass
 
 import dask
@@ -23,7 +24,7 @@ from daskllm.plan.context import ClusterView, PlanOptions
 from daskllm.plan.ir import Node
 from daskllm.plan.lower import Lowered
 from daskllm.plan.planner import plan as plan_nodes
-from daskllm.runtime.metering import note_lowering
+from daskllm.runtime.metering import note_lowering, note_planning
 from daskllm.runtime.view import check_served, take_view
 from daskllm.streaming.stages import Submitted
 from daskllm.worker.results import RESULTS
@@ -58,7 +59,9 @@ def plan(nodes: list[Node], options: PlanOptions | None = None, view: ClusterVie
     with _cache_lock:
         if key in _plans:
             return _plans[key]
+    start = time.perf_counter()
     lowered = plan_nodes(list(nodes), options, view)
+    note_planning(time.perf_counter() - start)
     with _cache_lock:
         if len(_plans) > 64:
             _plans.clear()
