@@ -1,8 +1,10 @@
 """``pmap``: a function over every item of a stream (or list), as items arrive, across workers.
 
-One consumer task per call of its source. Streamed (the pipelining pass), it reads the
-decode's queue and a join task, waiting for both, stands for its value, so the decode always
-runs; unstreamed, it takes the finished list. The lazy work its stages return is planned and
+Streamed (the pipelining pass), one consumer task per call of its source reads the decode's
+queue, and a join task, waiting for both, stands for its value, so the decode always runs.
+Over finished lists, one consumer task takes a shard of calls (the stage pass's
+``stage-size.pmap``): their items' nested work is planned and submitted together, one plan
+and one scheduler message per round for the shard rather than per call. The lazy work its stages return is planned and
 submitted from the worker by the runtime's ``submit_nested``, with this plan's options and
 cluster view, so nested work is planned the same way.
 """
@@ -63,24 +65,29 @@ def _lower(ctx: Lowering, node: Node) -> None:
     spec = dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view))
     streamed = decision(ctx.graph, node).streamed
     ctx.count_requested(PMAP.name, node.n)
-    ctx.loc[node] = []
+    ctx.loc[node] = [None] * node.n
+    finished = []  # calls over finished lists: consumed in shards, one task each
     for i in range(node.n):
-        arg_parts = [Dyn(a, item_of(a, i)) for a in stage_args]
         where = ctx.loc[src][item_of(src, i)]
-        if streamed and where[0] != INLINE:  # a cached decode has nothing to stream
-            producer_key, pos = where
-            key = task_key(ctx, node, i, producer_key)
-            stream = Source(producer_key, pos, src.params["sampling"].deterministic)
-            resolved, deps = ctx.resolve([arg_parts])
-            ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, stream, None, resolved[0], *deps))
-            join = f"stream-{key}"
-            ctx.add(PMAP.name, join, Task(join, first, TaskRef(key), TaskRef(producer_key)))
-            ctx.loc[node].append((join, None))
-        else:
-            resolved, deps = ctx.resolve([[Dyn(src, item_of(src, i)), *arg_parts]])
-            key = task_key(ctx, node, i, "unstreamed", *sorted(str(d.key) for d in deps))
-            ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, Source(), resolved[0][0], resolved[0][1:], *deps))
-            ctx.loc[node].append((key, None))
+        if not (streamed and where[0] != INLINE):  # a cached decode has nothing to stream
+            finished.append(i)
+            continue
+        producer_key, pos = where
+        key = task_key(ctx, node, i, producer_key)
+        stream = Source(producer_key, pos, src.params["sampling"].deterministic)
+        resolved, deps = ctx.resolve([[Dyn(a, item_of(a, i)) for a in stage_args]])
+        ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, stream, [(i, None, resolved[0])], *deps))
+        join = f"stream-{key}"
+        ctx.add(PMAP.name, join, Task(join, first, TaskRef(key), TaskRef(producer_key)))
+        ctx.loc[node][i] = (join, 0)
+    for shard in ctx.shards(node, finished):
+        resolved, deps = ctx.resolve([[Dyn(src, item_of(src, i)), *(Dyn(a, item_of(a, i)) for a in stage_args)]
+                                      for i in shard])
+        key = task_key(ctx, node, tuple(shard), "unstreamed", *sorted(str(d.key) for d in deps))
+        calls = [(i, parts[0], parts[1:]) for i, parts in zip(shard, resolved)]
+        ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, Source(), calls, *deps))
+        for pos, i in enumerate(shard):
+            ctx.loc[node][i] = (key, pos)
 
 
 PMAP = TaskType(PMAP_TASK, _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True)

@@ -151,15 +151,13 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
 
 
 def _engine_busy() -> dict[tuple[str, str], float]:
-    """(worker, "kind:model") -> the engine's busy seconds so far, on every worker and here."""
-    found = {("local", name): s for name, s in _host_busy(local_host()).items()}
+    """(worker, "kind:model") -> the engine's busy seconds so far: on every worker of the
+    default client's cluster, or, without one, of the engines loaded in this process."""
     try:
         client = default_client()
     except ValueError:
-        return found
-    for worker, busy in client.run(_worker_engine_busy).items():
-        found.update({(worker, name): s for name, s in busy.items()})
-    return found
+        return {("local", name): s for name, s in _host_busy(local_host()).items()}
+    return {(worker, name): s for worker, busy in client.run(_worker_engine_busy).items() for name, s in busy.items()}
 
 
 def _host_busy(plugin) -> dict[str, float]:

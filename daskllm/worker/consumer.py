@@ -25,10 +25,10 @@ from daskllm.worker.host import host
 from daskllm.worker.usage import TaskUsage
 
 class _Item:
-    __slots__ = ("index", "stage", "value", "frames")
+    __slots__ = ("index", "stage", "value", "frames", "args")
 
-    def __init__(self, index: int, value, frames: tuple):
-        self.index, self.stage, self.value, self.frames = index, 0, value, frames
+    def __init__(self, index: int, value, frames: tuple, args: list):
+        self.index, self.stage, self.value, self.frames, self.args = index, 0, value, frames, args
 
 
 def _is_lazy(value) -> bool:
@@ -42,11 +42,21 @@ def _is_lazy(value) -> bool:
 
 
 class Consumer:
-    """One pmap call: runs each item's stages as items arrive; returns results in index order."""
+    """One pmap task: runs each item's stages as items arrive, for one call or a shard of its
+    pmap's calls; returns per call its results in index order.
 
-    def __init__(self, task_key: str, spec: PmapSpec, source: Source, args: list, items=None):
-        self.task_key, self.spec, self.source, self.args = task_key, spec, source, args
+    ``calls``: per call ``(its number in the pmap, its items, its stage arguments)``; a
+    streamed consumer has one call, whose items (None) come by queue. The items of every
+    call here are planned and submitted together, so a shard of calls is one plan and one
+    scheduler message per round, not one per call.
+    """
+
+    def __init__(self, task_key: str, spec: PmapSpec, source: Source, calls: list[tuple[int, list | None, list]]):
+        self.task_key, self.spec, self.source, self.calls = task_key, spec, source, calls
         self.parent = stream_id(source.producer_key, source.pos) if source.producer_key else task_key[:20]
+        self.offsets = [0]  # each call's first index among this task's items
+        for _, items, _ in calls[:-1]:
+            self.offsets.append(self.offsets[-1] + len(items))
         self.items: dict[int, _Item] = {}
         self.results: dict[int, Any] = {}
         self.errors: dict[int, BaseException] = {}
@@ -59,18 +69,26 @@ class Consumer:
         self._ready: list[_Item] = []  # arrived, stages not started
         self._events: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # records, and None to wake up
         self._refs: dict = {}  # futures of big payloads, until their envelopes arrive
-        if items is not None:
-            self._add_all(items)
+        if all(items is not None for _, items, _ in calls):
+            for call, (_, items, _) in enumerate(calls):
+                for i, v in enumerate(items):
+                    self._add(i, v, call)
+            self.count = sum(len(items) for _, items, _ in calls)
 
     # -- items arriving --------------------------------------------------------------------
 
-    def _add(self, index: int, value) -> None:
-        if index in self.items:
+    def _add(self, index: int, value, call: int = 0) -> None:
+        """Item ``index`` of call ``call`` (a stream's consumer has one call)."""
+        at = self.offsets[call] + index
+        if at in self.items:
             return  # a recomputed decode repeats items already here
-        self.items[index] = _Item(index, value, (*self.spec.ancestry, (self.parent, index)))
-        self._ready.append(self.items[index])
+        number, _, args = self.calls[call]
+        parent = self.parent if len(self.calls) == 1 else f"{self.parent}/{number}"
+        self.items[at] = _Item(at, value, (*self.spec.ancestry, (parent, index)), args)
+        self._ready.append(self.items[at])
 
     def _add_all(self, values: list) -> None:
+        """A stream's items all at once, from its decode's result."""
         for i, v in enumerate(values):
             self._add(i, v)
         self.count = len(values)
@@ -112,7 +130,7 @@ class Consumer:
         offset = sum(s.nargs for s in stages[:item.stage])
         while item.stage < len(stages):
             stage = stages[item.stage]
-            args = self.args[offset:offset + stage.nargs]
+            args = item.args[offset:offset + stage.nargs]
             token = ANCESTRY.set(item.frames)
             try:
                 item.value = stage.fn(item.value, *args)
@@ -215,7 +233,7 @@ class Consumer:
                     q.close()
                 if producer is not None:
                     producer.release()
-        host().usage[self.task_key] = TaskUsage(PMAP_TASK, calls=1, items=len(self.results) + len(self.errors),
+        host().usage[self.task_key] = TaskUsage(PMAP_TASK, calls=len(self.calls), items=len(self.results) + len(self.errors),
                                                 requested=dict(self.requested), children=tuple(sorted(self.children)),
                                                 first_item_started=self.first_started)
         return self._result()
@@ -274,15 +292,20 @@ class Consumer:
             if _cancelled(self.task_key):
                 raise StreamError(f"pmap {self.task_key} was cancelled")
 
-    def _result(self) -> list:
+    def _result(self) -> list[list]:
+        """Per call, its items' results in order (a failed item holds its error)."""
         n = self.count or 0
         out = [self.errors.get(i, self.results.get(i)) for i in range(n)]
+        ends = [*self.offsets[1:], n]
+        per_call = [out[start:end] for start, end in zip(self.offsets, ends)]
         if self.errors and self.spec.errors == "raise":
             first = min(self.errors)
+            call = max(c for c, start in enumerate(self.offsets) if start <= first)
+            failed = sum(1 for i in self.errors if self.offsets[call] <= i < ends[call])
             exc = self.errors[first]
-            raise ItemError(f"{exc} ({len(self.errors)} of {n} items failed; the others finished and are in "
-                            f".results)", exc.ancestry, out) from exc
-        return out
+            raise ItemError(f"{exc} ({failed} of {ends[call] - self.offsets[call]} items failed; the others finished "
+                            f"and are in .results)", exc.ancestry, per_call[call]) from exc
+        return per_call
 
 
 def _watch(client, key: str):

@@ -121,17 +121,18 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split:
     return out
 
 
-def run_pmap(task_key: str, spec: PmapSpec, source: Source, source_part, arg_parts: list, *deps) -> list:
-    """A pmap call: each item of its source through the spec's stages, results in order.
-
-    ``source_part`` is the list of items (streamed: None, the items come by queue);
-    ``arg_parts`` are the stage arguments.
-    """
-    args = [_value(p, deps) for p in arg_parts]
-    items = None if source.producer_key else _value(source_part, deps)
-    if items is not None and not isinstance(items, (list, tuple)):
-        raise TypeError(f"{task_key}: pmap needs a list of items per call, got {type(items).__name__}")
-    consumer = Consumer(task_key, spec, source, args, items=None if items is None else list(items))
+def run_pmap(task_key: str, spec: PmapSpec, source: Source, calls: list, *deps) -> list[list]:
+    """A pmap task: each item of each of its calls through the spec's stages; per call, its
+    results in order. A call is ``(its number in the pmap, its items part, its stage argument
+    parts)``; streamed (one call), the items part is None: they come by queue."""
+    resolved = []
+    for number, source_part, arg_parts in calls:
+        items = None if source.producer_key else _value(source_part, deps)
+        if items is not None and not isinstance(items, (list, tuple)):
+            raise TypeError(f"{task_key}: pmap needs a list of items per call, got {type(items).__name__} "
+                            f"(call {number})")
+        resolved.append((number, None if items is None else list(items), [_value(p, deps) for p in arg_parts]))
+    consumer = Consumer(task_key, spec, source, resolved)
     return consumer.run_distributed() if in_worker() else consumer.run_local()
 
 
