@@ -281,7 +281,9 @@ def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None,
         lines.append(f"shared-prefix prefill: {r['prefills']} prefills ({r['shared']} shared, {r['partial']} partial),"
                      f" about {r['prefill_tokens_saved']} prefill tokens saved")
     if "stage" in report:
-        lines.append(f"stage split: {report['stage']['nodes_split']} nodes into {report['stage']['stages']} stages")
+        r = report["stage"]
+        lines.append(f"stage split: {r['nodes_split']} nodes into {r['stages']} stages, "
+                     f"{r.get('nodes_fused', 0)} nodes consolidated")
     if "pipeline" in report:
         r = report["pipeline"]
         lines.append(f"decode pipelining: {r['streamed']} pmaps streamed, {r['pmaps_fused']} pmaps fused")

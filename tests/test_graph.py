@@ -183,6 +183,22 @@ def test_granularity_bounds_task_counts():
     assert one_stage["decode"] == 3
 
 
+def test_small_nodes_of_one_depth_share_tasks():
+    """Per-query nodes (as a pmap's items make them) are consolidated: their calls share
+    decode tasks by depth, model and sampling; a node never shares a task with one it needs."""
+    first = [daskllm.generate(f"Leaf {i}: {{x}}".replace("{x}", "x" * i), max_tokens=2) for i in range(40)]
+    second = [daskllm.generate(daskllm.prompt("Root: {a}", a=leaf), max_tokens=2) for leaf in first]
+    other = [daskllm.generate(f"Other {i}", max_tokens=3) for i in range(5)]  # other sampling: apart
+    from daskllm.plan.context import LOCAL
+    from daskllm.runtime.submit import plan
+
+    report = plan(second + other, view=LOCAL).report  # one engine: shards of the full stage size
+    assert report["stage"]["nodes_fused"] == 85
+    assert report["tasks"]["decode"] == 2 + 2 + 1  # 40 leaves in shards of 32, 40 roots likewise, 5 others
+    with dask.config.set({"daskllm.rewrite.passes": ["cse", "prefix"]}):
+        assert plan(second + other, view=LOCAL).report["tasks"]["decode"] == 85
+
+
 def test_usage_and_the_result_cache(client):
     node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:4]), max_tokens=5)
     with daskllm.usage() as first:

@@ -149,7 +149,8 @@ def test_first_consumer_starts_before_the_decode_ends(client):
     [producer] = [k for k in _keys(pipeline) if k.startswith("decode-")]
     value, spans = compute_timed(client, pipeline)
     item_decodes = [k for k in spans if k.startswith("decode-") and k != producer]
-    assert len(item_decodes) == len(value) > 5
+    # items arriving together are planned together: their calls may share a decode task
+    assert len(value) > 5 and 0 < len(item_decodes) <= len(value)
     first_start = min(spans[k][0] for k in item_decodes)
     assert first_start < spans[producer][1], "no item's work started before the decode ended"
     assert value == unstreamed(pipeline)

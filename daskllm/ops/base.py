@@ -30,6 +30,7 @@ class Lowering(Protocol):
     graph: nx.DiGraph
     loc: dict  # node -> per call: (INLINE, value) | (task key, position in its output)
     options: Any  # PlanOptions
+    dedupe: bool  # identical calls are one physical call (CSE)
     view: Any  # ClusterView
     memo: dict  # op modules' own per-plan state, by name
 
@@ -52,6 +53,10 @@ class Lowering(Protocol):
 
     def place(self, node: Node, item_hashes: list[str], shard: list[int], key: str) -> None: ...
 
+    def place_calls(self, entries: list[tuple[Node, int]], key: str) -> None: ...
+
+    def entries_token(self, entries: list[tuple[Node, int]]) -> str: ...
+
     def fill_duplicates(self, node: Node, item_hashes: list[str]) -> None: ...
 
     def prefix_hashes(self, tokens: tuple[int, ...]) -> tuple[str, ...]: ...
@@ -70,7 +75,8 @@ class TaskType:
     whose ``model`` param serves it (None: no engine). ``calls``: one node makes one call per
     batch item (CSE, the result cache and sharding apply to them). ``prompted``: its calls are
     prompts (tokenized, prefix-shared). ``cacheable``: deterministic calls may be remembered.
-    ``lower(lowering, node)`` adds its tasks; ``call_parts(graph, node, i)``, if set, gives
+    ``lower(lowering, node)`` adds its tasks (``lower_fused(lowering, nodes)``, if set, those of
+    nodes the stage pass consolidated into shared tasks); ``call_parts(graph, node, i)``, if set, gives
     call i's parts where they are not simply its inputs in order; ``value_hashes(node)``, for a
     value node, the structural hash of each of its items.
     """
@@ -83,5 +89,6 @@ class TaskType:
     prompted: bool = False
     cacheable: bool = False
     call_parts: Callable | None = field(default=None, compare=False)
+    lower_fused: Callable | None = field(default=None, compare=False)  # (lowering, nodes): nodes sharing tasks
     value_hashes: Callable[[Node], list[str]] | None = field(default=None, compare=False)
     is_stream: Callable[[Node], bool] = field(default=lambda node: False, compare=False)

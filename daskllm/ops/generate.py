@@ -28,35 +28,76 @@ def is_split(node: Node) -> bool:
     return node.op == GENERATE.name and node.params.get("split") is not None
 
 
+def is_plain(node: Node) -> bool:
+    """A generate whose completions are values, not streams: its calls may share tasks with others'."""
+    return node.op == GENERATE.name and node.params.get("split") is None
+
+
 def _lower(ctx: Lowering, node: Node) -> None:
-    model, sampling, split = node.params["model"], node.params["sampling"], node.params.get("split")
+    split = node.params.get("split")
     todo, item_hashes = ctx.todo(node)
-    calls = ctx.calls(node)
     consumers = _stream_consumers(ctx, node, item_hashes) if split is not None else {}
-    ctx.memo.setdefault("static_prompts", set()).update((model, call.known) for call in calls if call.static)
-    prefills = decision(ctx.graph, node).prefills or (None,) * node.n
+    _note_static(ctx, node)
     for number, shard in enumerate(ctx.shards(node, todo)):
-        key = f"{TASK}-{ctx.token(node, item_hashes, shard)}"
-        resolved, deps = ctx.resolve([calls[i].parts for i in shard])
-        resolved = [(calls[i].special, parts) for i, parts in zip(shard, resolved)]
-        # The prefills the shard's calls wait for, each once: a template's calls share them.
-        waiting = [p for p in dict.fromkeys(prefills[i] for i in shard) if p is not None]
-        partial = [p for p in waiting if prefill_op.is_partial(p)]
-        pre_keys = {prefill_op.replica(ctx, p, number) if ctx.loc[p] == [None] else ctx.loc[p][0][0]
-                    for p in waiting if not prefill_op.is_partial(p)}
-        if partial:
-            pre_keys.add(prefill_op.partials(ctx, model, partial))
-        deps += [TaskRef(k) for k in sorted(pre_keys)]
-        if split is None:
-            task = ctx.engine_task(key, run_decode, key, model, sampling, resolved, *deps)
-        else:
-            channels = [[pmap_op.task_key(ctx, c, j, key) for c, j in consumers.get(item_hashes[i], [])]
-                        for i in shard]
-            task = ctx.engine_task(key, run_decode_split, key, model, sampling, split, channels, resolved, *deps)
-        ctx.add(TASK, key, task, prefill_op.prompt_annotation(ctx, TASK, model, [calls[i].known for i in shard],
-                                                              sampling.max_tokens, len(shard)))
-        ctx.place(node, item_hashes, shard, key)
+        _decode(ctx, node.params, [(node, i) for i in shard], number, consumers if split is not None else None)
     ctx.fill_duplicates(node, item_hashes)
+
+
+def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
+    """Nodes the stage pass consolidated (same model and sampling, no streams): their distinct
+    calls, in order, cut into shared shards."""
+    hashes, entries, seen = {}, [], set()
+    for node in nodes:
+        todo, hashes[node] = ctx.todo(node)
+        _note_static(ctx, node)
+        for i in todo:
+            h = hashes[node][i]
+            if not (ctx.dedupe and h in seen):  # a duplicate across the nodes points at the first
+                seen.add(h)
+                entries.append((node, i))
+    size = 1 if ctx.options.granularity == "query" else decision(ctx.graph, nodes[0]).fused[1]
+    for number, start in enumerate(range(0, len(entries), size)):
+        _decode(ctx, nodes[0].params, entries[start:start + size], number)
+    for node in nodes:
+        ctx.fill_duplicates(node, hashes[node])
+
+
+def _note_static(ctx: Lowering, node: Node) -> None:
+    model = node.params["model"]
+    ctx.memo.setdefault("static_prompts", set()).update((model, call.known) for call in ctx.calls(node) if call.static)
+
+
+def _decode(ctx: Lowering, params: dict, entries: list[tuple[Node, int]], number: int,
+            consumers: dict | None = None) -> None:
+    """One decode task for ``entries`` (node, call) of one model and sampling (shard ``number``
+    of its batch); ``consumers``: a split generation's streamed consumers per call hash."""
+    model, sampling, split = params["model"], params["sampling"], params.get("split")
+    calls = [ctx.calls(node)[i] for node, i in entries]
+    key = f"{TASK}-{ctx.entries_token(entries)}"
+    resolved, deps = ctx.resolve([call.parts for call in calls])
+    resolved = [(call.special, parts) for call, parts in zip(calls, resolved)]
+    # The prefills the calls wait for, each once: a template's calls share them.
+    waiting = [p for p in dict.fromkeys(_prefill_of(ctx, node, i) for node, i in entries) if p is not None]
+    partial = [p for p in waiting if prefill_op.is_partial(p)]
+    pre_keys = {prefill_op.replica(ctx, p, number) if ctx.loc[p] == [None] else ctx.loc[p][0][0]
+                for p in waiting if not prefill_op.is_partial(p)}
+    if partial:
+        pre_keys.add(prefill_op.partials(ctx, model, partial))
+    deps += [TaskRef(k) for k in sorted(pre_keys)]
+    if split is None:
+        task = ctx.engine_task(key, run_decode, key, model, sampling, resolved, *deps)
+    else:
+        channels = [[pmap_op.task_key(ctx, c, j, key) for c, j in consumers.get(ctx.call_hashes(node)[i], [])]
+                    for node, i in entries]
+        task = ctx.engine_task(key, run_decode_split, key, model, sampling, split, channels, resolved, *deps)
+    ctx.add(TASK, key, task, prefill_op.prompt_annotation(ctx, TASK, model, [c.known for c in calls],
+                                                          sampling.max_tokens, len(entries)))
+    ctx.place_calls(entries, key)
+
+
+def _prefill_of(ctx: Lowering, node: Node, i: int) -> Node | None:
+    prefills = decision(ctx.graph, node).prefills
+    return prefills[i] if prefills else None
 
 
 def _stream_consumers(ctx: Lowering, node: Node, item_hashes: list[str]) -> dict[str, list[tuple[Node, int]]]:
@@ -70,4 +111,5 @@ def _stream_consumers(ctx: Lowering, node: Node, item_hashes: list[str]) -> dict
     return consumers
 
 
-GENERATE = TaskType("generate", _lower, engine="llm", calls=True, prompted=True, cacheable=True, is_stream=is_split)
+GENERATE = TaskType("generate", _lower, engine="llm", calls=True, prompted=True, cacheable=True, is_stream=is_split,
+                    lower_fused=_lower_fused)

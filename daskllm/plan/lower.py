@@ -75,8 +75,19 @@ class Lowering:
         self.memo: dict = {}
 
     def run(self) -> Lowered:
-        for node in nx.topological_sort(self.graph):
-            task_type(node).lower(self, node)
+        # The stage pass's consolidated nodes, by group and depth: a group is lowered when its
+        # first node comes, every input of its nodes being of a smaller depth, lowered already.
+        order, depth = _by_depth(self.graph)
+        groups: dict[tuple, list[Node]] = defaultdict(list)
+        for node in order:
+            if (fused := decision(self.graph, node).fused) is not None:
+                groups[fused[0], depth[node]].append(node)
+        for node in order:
+            fused = decision(self.graph, node).fused
+            if fused is None:
+                task_type(node).lower(self, node)
+            elif (group := groups[fused[0], depth[node]])[0] is node:
+                task_type(node).lower_fused(self, group)
         for out in state(self.graph).outputs:
             self._output(out)
         layers, deps, layer_of = {}, {}, {}
@@ -190,11 +201,24 @@ class Lowering:
         where = None if self.dedupe else (node.hash, shard)
         return stable_hash([item_hashes[i] for i in shard], where, *extra)
 
+    def entries_token(self, entries: list[tuple[Node, int]]) -> str:
+        """:meth:`token` for a task whose calls (node, call) may come from several nodes."""
+        nodes = {node for node, _ in entries}
+        if len(nodes) == 1:
+            node = entries[0][0]
+            return self.token(node, self.call_hashes(node), [i for _, i in entries])
+        where = None if self.dedupe else [(node.hash, i) for node, i in entries]
+        return stable_hash([self.call_hashes(node)[i] for node, i in entries], where)
+
     def place(self, node: Node, item_hashes: list[str], shard: list[int], key: str) -> None:
-        for pos, i in enumerate(shard):
+        self.place_calls([(node, i) for i in shard], key)
+
+    def place_calls(self, entries: list[tuple[Node, int]], key: str) -> None:
+        """Calls (node, call) are computed by task ``key``, in this order."""
+        for pos, (node, i) in enumerate(entries):
             self.loc[node][i] = (key, pos)
             if self.dedupe:
-                self.physical[item_hashes[i]] = (key, pos)
+                self.physical[self.call_hashes(node)[i]] = (key, pos)
 
     def fill_duplicates(self, node: Node, item_hashes: list[str]) -> None:
         for i, where in enumerate(self.loc[node]):
@@ -241,5 +265,15 @@ def _by_ids(prompt: tuple[str, tuple[int, ...]]) -> tuple[str, bytes]:
 
 
 @collector.paused()
+def _by_depth(graph: nx.DiGraph) -> tuple[list[Node], dict[Node, int]]:
+    """A topological order by depth (the longest path from a source), and the depths: a node
+    never needs another of its depth, so a group of them can be lowered at once."""
+    depth: dict[Node, int] = {}
+    order = list(nx.topological_sort(graph))
+    for node in order:
+        depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
+    return sorted(order, key=depth.__getitem__), depth  # stable: topological within a depth
+
+
 def lower(graph: nx.DiGraph) -> Lowered:
     return Lowering(graph).run()

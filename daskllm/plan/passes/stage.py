@@ -6,6 +6,13 @@ holding its model (Halo's (operator, query shard) tasks: every engine gets work)
 shard of a consumer depends only on the shards of its producers that hold its inputs, so the first stage of the downstream op starts while
 later stages of the upstream one still run. A consumer that needs everything depends on
 all shards (the aggregate). Without this pass a batched node is one task.
+
+Consolidation (Halo's (operator, query shard) tasks across queries): small generate nodes
+at the same depth of the graph with the same model, sampling parameters and shared prefixes,
+such as the per-query calls of a pmap's items planned together, are lowered as one batch:
+their calls share shard tasks (a depth, the longest path from the graph's sources, never
+holds two nodes of which one needs the other). Many small nodes become a few tasks instead
+of one or two each.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from __future__ import annotations
 import networkx as nx
 
 from daskllm.ops import engine_of
-from daskllm.plan.context import decide, state
+from daskllm.ops import generate as generate_op
+from daskllm.ops import prefill as prefill_op
+from daskllm.plan.context import decide, decision, state
 
 
 class StageSplit:
@@ -34,5 +43,33 @@ class StageSplit:
             if node.width > size:
                 decide(graph, node, shard_size=size)
                 split[node.label] = -(-node.width // size)
-        plan.report["stage"] = {"nodes_split": len(split), "stages": sum(split.values())}
+        fused = _consolidate(graph, sizes.get("generate"))
+        plan.report["stage"] = {"nodes_split": len(split), "stages": sum(split.values()), "nodes_fused": fused}
         return graph
+
+
+def _consolidate(graph: nx.DiGraph, size: int | None) -> int:
+    """Group small generate nodes (fewer calls than a shard, no streams) by depth, model,
+    sampling and the shared prefixes their calls wait for (so a shared task's calls find one
+    prefix on one worker); record groups of two or more."""
+    if not size:
+        return 0
+    plan = state(graph)
+    depth: dict = {}
+    groups: dict[tuple, list] = {}
+    for node in nx.topological_sort(graph):
+        depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
+        if generate_op.is_plain(node) and node.n < size:
+            shared = frozenset(p for p in decision(graph, node).prefills or () if p is not None
+                               and not prefill_op.is_partial(p))
+            groups.setdefault((depth[node], node.params["model"], node.params["sampling"], shared), []).append(node)
+    fused = 0
+    for number, (key, nodes) in enumerate(groups.items()):
+        if len(nodes) < 2:
+            continue
+        calls = sum(n.n for n in nodes)
+        group_size = min(size, -(-calls // plan.view.holding(key[1])))
+        for node in nodes:
+            decide(graph, node, fused=(number, group_size))
+        fused += len(nodes)
+    return fused
