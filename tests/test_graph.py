@@ -199,6 +199,21 @@ def test_small_nodes_of_one_depth_share_tasks():
         assert plan(second + other, view=LOCAL).report["tasks"]["decode"] == 85
 
 
+def _double(x):
+    return 2 * x
+
+
+def test_small_pmaps_built_by_the_same_code_share_a_consumer():
+    from daskllm.plan.context import LOCAL
+    from daskllm.runtime.submit import plan
+
+    nodes = [daskllm.pmap([i, i + 1], _double) for i in range(10)]
+    assert plan(nodes, view=LOCAL).report["tasks"]["pmap"] == 1
+    with dask.config.set({"daskllm.rewrite.passes": ["cse"]}):
+        assert plan(nodes, view=LOCAL).report["tasks"]["pmap"] == 10
+    assert list(daskllm.compute(*nodes)) == [[2 * i, 2 * i + 2] for i in range(10)]
+
+
 def test_usage_and_the_result_cache(client):
     node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:4]), max_tokens=5)
     with daskllm.usage() as first:

@@ -58,11 +58,21 @@ def _call_parts(graph: nx.DiGraph, node: Node, i: int) -> list:
     return [Dyn(src, item_of(src, i)), *(input_part(node, f"arg{j}", i) for j in range(len(node.inputs) - 1))]
 
 
+def is_plain(graph: nx.DiGraph, node: Node) -> bool:
+    """An unstreamed pmap: its calls may share consumer tasks with others' (a fused source is
+    one of its predecessors, as the pipeline pass links them)."""
+    return is_pmap(node) and not decision(graph, node).streamed
+
+
+def base_spec(graph: nx.DiGraph, node: Node) -> PmapSpec:
+    """Its spec without the ancestry of the item it was built for (which only names items in
+    errors): pmaps built by the same code for different items have the same base spec."""
+    return dataclasses.replace(spec_and_args(graph, node)[0], ancestry=())
+
+
 def _lower(ctx: Lowering, node: Node) -> None:
     src = source(ctx.graph, node)
-    spec, stage_args = spec_and_args(ctx.graph, node)
-    nested = dataclasses.replace(ctx.options, results=None)  # a store stays in its process; the worker has its own
-    spec = dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view))
+    spec, stage_args = _planned_spec(ctx, node)
     streamed = decision(ctx.graph, node).streamed
     ctx.count_requested(PMAP.name, node.n)
     ctx.loc[node] = [None] * node.n
@@ -70,24 +80,56 @@ def _lower(ctx: Lowering, node: Node) -> None:
     for i in range(node.n):
         where = ctx.loc[src][item_of(src, i)]
         if not (streamed and where[0] != INLINE):  # a cached decode has nothing to stream
-            finished.append(i)
+            finished.append((node, i))
             continue
         producer_key, pos = where
         key = task_key(ctx, node, i, producer_key)
         stream = Source(producer_key, pos, src.params["sampling"].deterministic)
         resolved, deps = ctx.resolve([[Dyn(a, item_of(a, i)) for a in stage_args]])
-        ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, stream, [(i, None, resolved[0])], *deps))
+        ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, stream, [(i, None, resolved[0], spec.ancestry)], *deps))
         join = f"stream-{key}"
         ctx.add(PMAP.name, join, Task(join, first, TaskRef(key), TaskRef(producer_key)))
         ctx.loc[node][i] = (join, 0)
-    for shard in ctx.shards(node, finished):
-        resolved, deps = ctx.resolve([[Dyn(src, item_of(src, i)), *(Dyn(a, item_of(a, i)) for a in stage_args)]
-                                      for i in shard])
-        key = task_key(ctx, node, tuple(shard), "unstreamed", *sorted(str(d.key) for d in deps))
-        calls = [(i, parts[0], parts[1:]) for i, parts in zip(shard, resolved)]
+    size = 1 if ctx.options.granularity == "query" else decision(ctx.graph, node).shard_size or max(1, len(finished))
+    _consumers(ctx, spec, finished, size)
+
+
+def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
+    """Pmaps the stage pass consolidated (one base spec, unstreamed): their calls share consumer tasks."""
+    entries = []
+    for node in nodes:
+        ctx.count_requested(PMAP.name, node.n)
+        ctx.loc[node] = [None] * node.n
+        entries += [(node, i) for i in range(node.n)]
+    spec = dataclasses.replace(_planned_spec(ctx, nodes[0])[0], ancestry=())
+    size = 1 if ctx.options.granularity == "query" else decision(ctx.graph, nodes[0]).fused[1]
+    _consumers(ctx, spec, entries, size)
+
+
+def _planned_spec(ctx: Lowering, node: Node) -> tuple[PmapSpec, list[Node]]:
+    """The spec a task runs: nested work planned with this plan's options and view."""
+    spec, stage_args = spec_and_args(ctx.graph, node)
+    nested = dataclasses.replace(ctx.options, results=None)  # a store stays in its process; the worker has its own
+    return dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view)), stage_args
+
+
+def _consumers(ctx: Lowering, spec: PmapSpec, entries: list[tuple[Node, int]], size: int) -> None:
+    """Consumer tasks over finished lists, ``size`` calls (node, call) each; a call carries its
+    own node's ancestry, so errors name its item."""
+    for start in range(0, len(entries), size):
+        shard = entries[start:start + size]
+        parts = []
+        for node, i in shard:
+            src = source(ctx.graph, node)
+            parts.append([Dyn(src, item_of(src, i)), *(Dyn(a, item_of(a, i)) for a in spec_and_args(ctx.graph, node)[1])])
+        resolved, deps = ctx.resolve(parts)
+        key = f"{PMAP.name}-" + stable_hash([(node.hash, i) for node, i in shard], ctx.options.settings, "unstreamed",
+                                            *sorted(str(d.key) for d in deps))
+        calls = [(i, r[0], r[1:], spec_and_args(ctx.graph, node)[0].ancestry) for (node, i), r in zip(shard, resolved)]
         ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, Source(), calls, *deps))
-        for pos, i in enumerate(shard):
+        for pos, (node, i) in enumerate(shard):
             ctx.loc[node][i] = (key, pos)
 
 
-PMAP = TaskType(PMAP_TASK, _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True)
+PMAP = TaskType(PMAP_TASK, _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True,
+                lower_fused=_lower_fused)

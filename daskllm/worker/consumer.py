@@ -45,17 +45,18 @@ class Consumer:
     """One pmap task: runs each item's stages as items arrive, for one call or a shard of its
     pmap's calls; returns per call its results in index order.
 
-    ``calls``: per call ``(its number in the pmap, its items, its stage arguments)``; a
-    streamed consumer has one call, whose items (None) come by queue. The items of every
+    ``calls``: per call ``(its number in the pmap, its items, its stage arguments, the
+    ancestry frames of the item it was built for)``; a streamed consumer has one call, whose
+    items (None) come by queue. The items of every
     call here are planned and submitted together, so a shard of calls is one plan and one
     scheduler message per round, not one per call.
     """
 
-    def __init__(self, task_key: str, spec: PmapSpec, source: Source, calls: list[tuple[int, list | None, list]]):
+    def __init__(self, task_key: str, spec: PmapSpec, source: Source, calls: list[tuple[int, list | None, list, tuple]]):
         self.task_key, self.spec, self.source, self.calls = task_key, spec, source, calls
         self.parent = stream_id(source.producer_key, source.pos) if source.producer_key else task_key[:20]
         self.offsets = [0]  # each call's first index among this task's items
-        for _, items, _ in calls[:-1]:
+        for _, items, _, _ in calls[:-1]:
             self.offsets.append(self.offsets[-1] + len(items))
         self.items: dict[int, _Item] = {}
         self.results: dict[int, Any] = {}
@@ -69,11 +70,11 @@ class Consumer:
         self._ready: list[_Item] = []  # arrived, stages not started
         self._events: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # records, and None to wake up
         self._refs: dict = {}  # futures of big payloads, until their envelopes arrive
-        if all(items is not None for _, items, _ in calls):
-            for call, (_, items, _) in enumerate(calls):
+        if all(items is not None for _, items, _, _ in calls):
+            for call, (_, items, _, _) in enumerate(calls):
                 for i, v in enumerate(items):
                     self._add(i, v, call)
-            self.count = sum(len(items) for _, items, _ in calls)
+            self.count = sum(len(items) for _, items, _, _ in calls)
 
     # -- items arriving --------------------------------------------------------------------
 
@@ -82,9 +83,9 @@ class Consumer:
         at = self.offsets[call] + index
         if at in self.items:
             return  # a recomputed decode repeats items already here
-        number, _, args = self.calls[call]
+        number, _, args, ancestry = self.calls[call]
         parent = self.parent if len(self.calls) == 1 else f"{self.parent}/{number}"
-        self.items[at] = _Item(at, value, (*self.spec.ancestry, (parent, index)), args)
+        self.items[at] = _Item(at, value, (*ancestry, (parent, index)), args)
         self._ready.append(self.items[at])
 
     def _add_all(self, values: list) -> None:

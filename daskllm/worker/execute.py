@@ -124,14 +124,15 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split:
 def run_pmap(task_key: str, spec: PmapSpec, source: Source, calls: list, *deps) -> list[list]:
     """A pmap task: each item of each of its calls through the spec's stages; per call, its
     results in order. A call is ``(its number in the pmap, its items part, its stage argument
-    parts)``; streamed (one call), the items part is None: they come by queue."""
+    parts, the ancestry frames of the item it was built for)``; streamed (one call), the items
+    part is None: they come by queue."""
     resolved = []
-    for number, source_part, arg_parts in calls:
+    for number, source_part, arg_parts, ancestry in calls:
         items = None if source.producer_key else _value(source_part, deps)
         if items is not None and not isinstance(items, (list, tuple)):
             raise TypeError(f"{task_key}: pmap needs a list of items per call, got {type(items).__name__} "
                             f"(call {number})")
-        resolved.append((number, None if items is None else list(items), [_value(p, deps) for p in arg_parts]))
+        resolved.append((number, None if items is None else list(items), [_value(p, deps) for p in arg_parts], ancestry))
     consumer = Consumer(task_key, spec, source, resolved)
     return consumer.run_distributed() if in_worker() else consumer.run_local()
 

@@ -14,6 +14,7 @@ the scheduler) and with a ``daskllm`` event when its engines come up.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
@@ -173,6 +174,9 @@ def local_host() -> LocalHost:
     global _local_host
     if _local_host is None:
         _local_host = LocalHost()
+        # Engine threads must be done before the interpreter finalizes: a torch step on a daemon
+        # thread during finalization can abort the process ("terminate called ...").
+        atexit.register(_local_host.close)
     return _local_host
 
 

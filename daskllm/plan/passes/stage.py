@@ -12,7 +12,8 @@ at the same depth of the graph with the same model, sampling parameters and shar
 such as the per-query calls of a pmap's items planned together, are lowered as one batch:
 their calls share shard tasks (a depth, the longest path from the graph's sources, never
 holds two nodes of which one needs the other). Many small nodes become a few tasks instead
-of one or two each.
+of one or two each. Small unstreamed pmaps built by the same code for different items (a
+per-query ``each`` inside per-query work) share consumer tasks the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import networkx as nx
 
 from daskllm.ops import engine_of
 from daskllm.ops import generate as generate_op
+from daskllm.ops import pmap as pmap_op
 from daskllm.ops import prefill as prefill_op
 from daskllm.plan.context import decide, decision, state
 
@@ -43,32 +45,41 @@ class StageSplit:
             if node.width > size:
                 decide(graph, node, shard_size=size)
                 split[node.label] = -(-node.width // size)
-        fused = _consolidate(graph, sizes.get("generate"))
+        fused = _consolidate(graph, sizes.get("generate"), sizes.get("pmap"))
         plan.report["stage"] = {"nodes_split": len(split), "stages": sum(split.values()), "nodes_fused": fused}
         return graph
 
 
-def _consolidate(graph: nx.DiGraph, size: int | None) -> int:
-    """Group small generate nodes (fewer calls than a shard, no streams) by depth, model,
-    sampling and the shared prefixes their calls wait for (so a shared task's calls find one
-    prefix on one worker); record groups of two or more."""
-    if not size:
-        return 0
+def _consolidate(graph: nx.DiGraph, generate_size: int | None, pmap_size: int | None) -> int:
+    """Group small nodes by depth and by what lets them share tasks; record groups of two or more.
+
+    ``generate`` (fewer calls than a shard, no streams): by model, sampling and the shared
+    prefixes their calls wait for (so a shared task's calls find one prefix on one worker).
+    ``pmap`` (unstreamed): by base spec (the same stages, errors and stickiness: built by the
+    same code for different items), so one consumer runs many per-item pmaps' calls.
+    """
     plan = state(graph)
     depth: dict = {}
     groups: dict[tuple, list] = {}
     for node in nx.topological_sort(graph):
         depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
-        if generate_op.is_plain(node) and node.n < size:
+        if generate_size and generate_op.is_plain(node) and node.n < generate_size:
             shared = frozenset(p for p in decision(graph, node).prefills or () if p is not None
                                and not prefill_op.is_partial(p))
-            groups.setdefault((depth[node], node.params["model"], node.params["sampling"], shared), []).append(node)
+            model = node.params["model"]
+            key = (depth[node], model, node.params["sampling"], shared)
+            size = lambda calls, model=model: min(generate_size, -(-calls // plan.view.holding(model)))
+        elif pmap_size and pmap_op.is_plain(graph, node) and node.n < pmap_size:
+            key = (depth[node], pmap_op.base_spec(graph, node))
+            size = lambda calls: pmap_size
+        else:
+            continue
+        groups.setdefault(key, (size, []))[1].append(node)
     fused = 0
-    for number, (key, nodes) in enumerate(groups.items()):
+    for number, (size, nodes) in enumerate(groups.values()):
         if len(nodes) < 2:
             continue
-        calls = sum(n.n for n in nodes)
-        group_size = min(size, -(-calls // plan.view.holding(key[1])))
+        group_size = size(sum(n.n for n in nodes))
         for node in nodes:
             decide(graph, node, fused=(number, group_size))
         fused += len(nodes)
