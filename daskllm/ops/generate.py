@@ -55,9 +55,8 @@ def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
             if not (ctx.dedupe and h in seen):  # a duplicate across the nodes points at the first
                 seen.add(h)
                 entries.append((node, i))
-    size = 1 if ctx.options.granularity == "query" else decision(ctx.graph, nodes[0]).fused[1]
-    for number, start in enumerate(range(0, len(entries), size)):
-        _decode(ctx, nodes[0].params, entries[start:start + size], number)
+    for number, shard in enumerate(ctx.group_shards(nodes, entries)):
+        _decode(ctx, nodes[0].params, shard, number)
     for node in nodes:
         ctx.fill_duplicates(node, hashes[node])
 

@@ -72,7 +72,8 @@ def base_spec(graph: nx.DiGraph, node: Node) -> PmapSpec:
 
 def _lower(ctx: Lowering, node: Node) -> None:
     src = source(ctx.graph, node)
-    spec, stage_args = _planned_spec(ctx, node)
+    spec, stage_args = spec_and_args(ctx.graph, node)
+    spec = _planned(ctx, spec)
     streamed = decision(ctx.graph, node).streamed
     ctx.count_requested(PMAP.name, node.n)
     ctx.loc[node] = [None] * node.n
@@ -80,7 +81,7 @@ def _lower(ctx: Lowering, node: Node) -> None:
     for i in range(node.n):
         where = ctx.loc[src][item_of(src, i)]
         if not (streamed and where[0] != INLINE):  # a cached decode has nothing to stream
-            finished.append((node, i))
+            finished.append(i)
             continue
         producer_key, pos = where
         key = task_key(ctx, node, i, producer_key)
@@ -90,45 +91,42 @@ def _lower(ctx: Lowering, node: Node) -> None:
         join = f"stream-{key}"
         ctx.add(PMAP.name, join, Task(join, first, TaskRef(key), TaskRef(producer_key)))
         ctx.loc[node][i] = (join, 0)
-    size = 1 if ctx.options.granularity == "query" else decision(ctx.graph, node).shard_size or max(1, len(finished))
-    _consumers(ctx, spec, finished, size)
+    for shard in ctx.shards(node, finished):
+        _consumer(ctx, spec, [(node, i) for i in shard])
 
 
 def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
     """Pmaps the stage pass consolidated (one base spec, unstreamed): their calls share consumer tasks."""
-    entries = []
     for node in nodes:
         ctx.count_requested(PMAP.name, node.n)
         ctx.loc[node] = [None] * node.n
-        entries += [(node, i) for i in range(node.n)]
-    spec = dataclasses.replace(_planned_spec(ctx, nodes[0])[0], ancestry=())
-    size = 1 if ctx.options.granularity == "query" else decision(ctx.graph, nodes[0]).fused[1]
-    _consumers(ctx, spec, entries, size)
+    spec = _planned(ctx, base_spec(ctx.graph, nodes[0]))
+    for shard in ctx.group_shards(nodes, [(node, i) for node in nodes for i in range(node.n)]):
+        _consumer(ctx, spec, shard)
 
 
-def _planned_spec(ctx: Lowering, node: Node) -> tuple[PmapSpec, list[Node]]:
+def _planned(ctx: Lowering, spec: PmapSpec) -> PmapSpec:
     """The spec a task runs: nested work planned with this plan's options and view."""
-    spec, stage_args = spec_and_args(ctx.graph, node)
     nested = dataclasses.replace(ctx.options, results=None)  # a store stays in its process; the worker has its own
-    return dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view)), stage_args
+    return dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view))
 
 
-def _consumers(ctx: Lowering, spec: PmapSpec, entries: list[tuple[Node, int]], size: int) -> None:
-    """Consumer tasks over finished lists, ``size`` calls (node, call) each; a call carries its
-    own node's ancestry, so errors name its item."""
-    for start in range(0, len(entries), size):
-        shard = entries[start:start + size]
-        parts = []
-        for node, i in shard:
-            src = source(ctx.graph, node)
-            parts.append([Dyn(src, item_of(src, i)), *(Dyn(a, item_of(a, i)) for a in spec_and_args(ctx.graph, node)[1])])
-        resolved, deps = ctx.resolve(parts)
-        key = f"{PMAP.name}-" + stable_hash([(node.hash, i) for node, i in shard], ctx.options.settings, "unstreamed",
-                                            *sorted(str(d.key) for d in deps))
-        calls = [(i, r[0], r[1:], spec_and_args(ctx.graph, node)[0].ancestry) for (node, i), r in zip(shard, resolved)]
-        ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, Source(), calls, *deps))
-        for pos, (node, i) in enumerate(shard):
-            ctx.loc[node][i] = (key, pos)
+def _consumer(ctx: Lowering, spec: PmapSpec, shard: list[tuple[Node, int]]) -> None:
+    """One consumer task over finished lists for calls (node, call); a call carries its own
+    node's ancestry, so errors name its item."""
+    parts, ancestry = [], []
+    for node, i in shard:
+        node_spec, stage_args = spec_and_args(ctx.graph, node)
+        src = source(ctx.graph, node)
+        parts.append([Dyn(src, item_of(src, i)), *(Dyn(a, item_of(a, i)) for a in stage_args)])
+        ancestry.append(node_spec.ancestry)
+    resolved, deps = ctx.resolve(parts)
+    key = f"{PMAP.name}-" + stable_hash([(node.hash, i) for node, i in shard], ctx.options.settings, "unstreamed",
+                                        *sorted(str(d.key) for d in deps))
+    calls = [(i, r[0], r[1:], a) for (_, i), r, a in zip(shard, resolved, ancestry)]
+    ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, Source(), calls, *deps))
+    for pos, (node, i) in enumerate(shard):
+        ctx.loc[node][i] = (key, pos)
 
 
 PMAP = TaskType(PMAP_TASK, _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True,

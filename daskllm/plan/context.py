@@ -154,6 +154,15 @@ def decision(graph: nx.DiGraph, node: Node) -> NodePlan:
     return graph.nodes[node].get("plan") or NodePlan()
 
 
+def depths(graph: nx.DiGraph) -> dict[Node, int]:
+    """Each node's depth, the longest path to it from a source, in topological order: a node
+    never needs another of its depth, so nodes of one depth may share tasks."""
+    depth: dict[Node, int] = {}
+    for node in nx.topological_sort(graph):
+        depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
+    return depth
+
+
 def decide(graph: nx.DiGraph, node: Node, **changes) -> NodePlan:
     """Record a pass's decision about ``node``."""
     plan = dataclasses.replace(decision(graph, node), **changes)

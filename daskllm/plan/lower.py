@@ -29,7 +29,7 @@ from daskllm.engines.kv_cache import block_hashes
 from daskllm.ops import cacheable, task_type
 from daskllm.ops.base import INLINE
 from daskllm.plan import collector
-from daskllm.plan.context import ClusterView, PlanOptions, decision, state
+from daskllm.plan.context import ClusterView, PlanOptions, decision, depths, state
 from daskllm.plan.items import hashes, items
 from daskllm.plan.ir import Dyn, Node, stable_hash
 from daskllm.worker.execute import Ref, assemble, off_thread
@@ -77,7 +77,8 @@ class Lowering:
     def run(self) -> Lowered:
         # The stage pass's consolidated nodes, by group and depth: a group is lowered when its
         # first node comes, every input of its nodes being of a smaller depth, lowered already.
-        order, depth = _by_depth(self.graph)
+        depth = depths(self.graph)
+        order = sorted(depth, key=depth.__getitem__)  # topological, by depth (stable: topological within one)
         groups: dict[tuple, list[Node]] = defaultdict(list)
         for node in order:
             if (fused := decision(self.graph, node).fused) is not None:
@@ -177,6 +178,11 @@ class Lowering:
             size = decision(self.graph, node).shard_size or max(1, len(todo))
         return [todo[i:i + size] for i in range(0, len(todo), size)]
 
+    def group_shards(self, nodes: list[Node], entries: list) -> list[list]:
+        """:meth:`shards` for the calls (entries) of nodes the stage pass consolidated."""
+        size = 1 if self.options.granularity == "query" else decision(self.graph, nodes[0]).fused[1]
+        return [entries[i:i + size] for i in range(0, len(entries), size)]
+
     def todo(self, node: Node) -> tuple[list[int], list[str]]:
         """Which calls must run (first occurrences), and fill ``loc`` for the rest."""
         item_hashes = hashes(self.graph, node)
@@ -265,15 +271,5 @@ def _by_ids(prompt: tuple[str, tuple[int, ...]]) -> tuple[str, bytes]:
 
 
 @collector.paused()
-def _by_depth(graph: nx.DiGraph) -> tuple[list[Node], dict[Node, int]]:
-    """A topological order by depth (the longest path from a source), and the depths: a node
-    never needs another of its depth, so a group of them can be lowered at once."""
-    depth: dict[Node, int] = {}
-    order = list(nx.topological_sort(graph))
-    for node in order:
-        depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
-    return sorted(order, key=depth.__getitem__), depth  # stable: topological within a depth
-
-
 def lower(graph: nx.DiGraph) -> Lowered:
     return Lowering(graph).run()

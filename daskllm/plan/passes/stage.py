@@ -24,7 +24,7 @@ from daskllm.ops import engine_of
 from daskllm.ops import generate as generate_op
 from daskllm.ops import pmap as pmap_op
 from daskllm.ops import prefill as prefill_op
-from daskllm.plan.context import decide, decision, state
+from daskllm.plan.context import decide, decision, depths, state
 
 
 class StageSplit:
@@ -59,10 +59,9 @@ def _consolidate(graph: nx.DiGraph, generate_size: int | None, pmap_size: int | 
     same code for different items), so one consumer runs many per-item pmaps' calls.
     """
     plan = state(graph)
-    depth: dict = {}
+    depth = depths(graph)
     groups: dict[tuple, list] = {}
-    for node in nx.topological_sort(graph):
-        depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
+    for node in depth:
         if generate_size and generate_op.is_plain(node) and node.n < generate_size:
             shared = frozenset(p for p in decision(graph, node).prefills or () if p is not None
                                and not prefill_op.is_partial(p))
