@@ -214,6 +214,36 @@ def test_small_pmaps_built_by_the_same_code_share_a_consumer():
     assert list(daskllm.compute(*nodes)) == [[2 * i, 2 * i + 2] for i in range(10)]
 
 
+def _verify(claim):
+    return daskllm.generate(daskllm.prompt("Check: {c}", c=claim), max_tokens=2)
+
+
+def test_per_item_streams_share_decode_and_consumer_tasks():
+    """Per-item split generates (as a pmap's items make them) share decode tasks, and their
+    streamed pmaps one consumer per decode task: not a task each."""
+    from daskllm.plan.context import ClusterView
+    from daskllm.runtime.submit import plan
+
+    view = ClusterView(on_cluster=True, holders=((("llm", "tiny"), 2),), reporting=2)
+    streams = [daskllm.generate(f"Claims about {i}:", model="tiny", max_tokens=8, split=daskllm.words(2))
+               for i in range(12)]
+    nodes = [daskllm.pmap(s, _verify) for s in streams]
+    lowered = plan(nodes, view=view)
+    assert lowered.report["pipeline"]["streamed"] == 12
+    assert lowered.report["stage"]["nodes_fused"] == 24
+    layer = lambda op: next(v for k, v in lowered.graph.layers.items() if k.startswith(f"daskllm-{op}-"))
+    decodes = list(layer("decode").values())
+    consumers = [t for k, t in layer("pmap").items() if not k.startswith("stream-")]
+    assert len(decodes) == 2  # 12 calls over 2 workers holding the model
+    assert len(consumers) == len(decodes)  # one consumer reads each decode task's streams
+    for task in consumers:  # and reads every position of it, each once
+        source, calls = task.args[2], task.args[3]
+        assert sorted(source.positions) == list(range(len(calls))) and len(calls) == 6
+    with dask.config.set({"daskllm.rewrite.passes": ["cse", "pipeline"]}):  # no stage pass: one each
+        alone = plan(nodes, view=view).report["tasks"]
+        assert alone["decode"] == 12 and alone["pmap"] == 2 * 12  # a consumer and its join per stream
+
+
 def test_usage_and_the_result_cache(client):
     node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:4]), max_tokens=5)
     with daskllm.usage() as first:

@@ -88,6 +88,40 @@ def test_bad_split_and_bad_pmap_arguments_fail_at_build_time():
 # --- without a cluster ---------------------------------------------------------------------
 
 
+class _FinishedDecode:
+    """A decode task's future that has finished (pure logic: no cluster)."""
+
+    status = "finished"
+
+    def __init__(self, result):
+        self._result = result
+
+    def result(self):
+        return self._result
+
+
+def test_a_consumer_reads_several_streams_of_one_decode_and_fills_gaps_from_its_result():
+    """One consumer task, three calls at decode positions 0, 1, 0 (a duplicated call): each
+    envelope reaches every call at its position; items a lost run took from the queue (the
+    consumer was rerun) come from the decode's result even when the count is known."""
+    import pickle
+
+    from daskllm.streaming.stages import PmapSpec, Stage
+    from daskllm.streaming.wire import Source
+    from daskllm.worker.consumer import Consumer
+
+    spec = PmapSpec((Stage(str.upper),))
+    calls = [(0, None, [], ()), (1, None, [], ()), (2, None, [], ())]
+    consumer = Consumer("pmap-x", spec, Source("decode-y", (0, 1, 0)), calls)
+    consumer._records([["item", 1, 0, pickle.dumps("c"), "run1"], ["end", 1, 1, None, "run1"],
+                       ["item", 0, 1, pickle.dumps("b"), "run1"], ["end", 0, 2, None, "run1"]])
+    assert consumer.counts == [2, 1, 2] and not consumer._complete(0)  # item 0 of position 0 never came
+    consumer._from_result(_FinishedDecode([["a", "b"], ["c"]]))
+    assert consumer.run_local() == [["A", "B"], ["C"], ["A", "B"]]
+    with pytest.raises(daskllm.streaming.StreamError, match="decode-y"):
+        consumer._records([["error", None, "boom", None, "run1"]])
+
+
 def test_local_pmap_over_a_split_generation_matches_splitting_the_text(tiny_model_dir):
     text = daskllm.generate("Once upon a time", max_tokens=48, ignore_eos=True).compute()
     items = stream().compute()

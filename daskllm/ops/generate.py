@@ -28,27 +28,25 @@ def is_split(node: Node) -> bool:
     return node.op == GENERATE.name and node.params.get("split") is not None
 
 
-def is_plain(node: Node) -> bool:
-    """A generate whose completions are values, not streams: its calls may share tasks with others'."""
-    return node.op == GENERATE.name and node.params.get("split") is None
-
-
 def _lower(ctx: Lowering, node: Node) -> None:
     split = node.params.get("split")
     todo, item_hashes = ctx.todo(node)
     consumers = _stream_consumers(ctx, node, item_hashes) if split is not None else {}
     _note_static(ctx, node)
     for number, shard in enumerate(ctx.shards(node, todo)):
-        _decode(ctx, node.params, [(node, i) for i in shard], number, consumers if split is not None else None)
+        _decode(ctx, node.params, [(node, i) for i in shard], number, consumers)
     ctx.fill_duplicates(node, item_hashes)
 
 
 def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
-    """Nodes the stage pass consolidated (same model and sampling, no streams): their distinct
+    """Nodes the stage pass consolidated (same model, sampling and split): their distinct
     calls, in order, cut into shared shards."""
-    hashes, entries, seen = {}, [], set()
+    hashes, entries, seen, consumers = {}, [], set(), {}
     for node in nodes:
         todo, hashes[node] = ctx.todo(node)
+        if is_split(node):
+            for h, readers in _stream_consumers(ctx, node, hashes[node]).items():
+                consumers.setdefault(h, []).extend(readers)
         _note_static(ctx, node)
         for i in todo:
             h = hashes[node][i]
@@ -56,7 +54,7 @@ def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
                 seen.add(h)
                 entries.append((node, i))
     for number, shard in enumerate(ctx.group_shards(nodes, entries)):
-        _decode(ctx, nodes[0].params, shard, number)
+        _decode(ctx, nodes[0].params, shard, number, consumers)
     for node in nodes:
         ctx.fill_duplicates(node, hashes[node])
 
@@ -67,7 +65,7 @@ def _note_static(ctx: Lowering, node: Node) -> None:
 
 
 def _decode(ctx: Lowering, params: dict, entries: list[tuple[Node, int]], number: int,
-            consumers: dict | None = None) -> None:
+            consumers: dict) -> None:
     """One decode task for ``entries`` (node, call) of one model and sampling (shard ``number``
     of its batch); ``consumers``: a split generation's streamed consumers per call hash."""
     model, sampling, split = params["model"], params["sampling"], params.get("split")
@@ -86,8 +84,7 @@ def _decode(ctx: Lowering, params: dict, entries: list[tuple[Node, int]], number
     if split is None:
         task = ctx.engine_task(key, run_decode, key, model, sampling, resolved, *deps)
     else:
-        channels = [[pmap_op.task_key(ctx, c, j, key) for c, j in consumers.get(ctx.call_hashes(node)[i], [])]
-                    for node, i in entries]
+        channels = pmap_op.stream_channels(ctx, key, [consumers.get(ctx.call_hashes(node)[i], []) for node, i in entries])
         task = ctx.engine_task(key, run_decode_split, key, model, sampling, split, channels, resolved, *deps)
     ctx.add(TASK, key, task, prefill_op.prompt_annotation(ctx, TASK, model, [c.known for c in calls],
                                                           sampling.max_tokens, len(entries)))

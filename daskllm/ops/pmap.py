@@ -1,12 +1,14 @@
 """``pmap``: a function over every item of a stream (or list), as items arrive, across workers.
 
-Streamed (the pipelining pass), one consumer task per call of its source reads the decode's
-queue, and a join task, waiting for both, stands for its value, so the decode always runs.
-Over finished lists, one consumer task takes a shard of calls (the stage pass's
-``stage-size.pmap``): their items' nested work is planned and submitted together, one plan
-and one scheduler message per round for the shard rather than per call. The lazy work its stages return is planned and
-submitted from the worker by the runtime's ``submit_nested``, with this plan's options and
-cluster view, so nested work is planned the same way.
+Streamed (the pipelining pass), the calls whose items one decode task makes share one
+consumer task (per pmap, or per group of pmaps the stage pass consolidated), which reads
+them all through one queue; a join task, waiting for both, stands for their values, so the
+decode always runs. Over finished lists, one consumer task takes a shard of calls (the stage
+pass's ``stage-size.pmap``). Either way the items' nested work is planned and submitted
+together, one plan and one scheduler message per round for the task rather than per call.
+The lazy work its stages return is planned and submitted from the worker by the runtime's
+``submit_nested``, with this plan's options and cluster view, so nested work is planned the
+same way.
 """
 
 from __future__ import annotations
@@ -46,22 +48,39 @@ def spec_and_args(graph: nx.DiGraph, node: Node) -> tuple[PmapSpec, list[Node]]:
     return (plan.spec, list(plan.args)) if plan.spec is not None else (node.value, args(node))
 
 
-def task_key(ctx: Lowering, node: Node, i: int, *inputs: str) -> str:
-    # What the task reads (a stream from its decode, or its inputs' task keys) and the
-    # rewrite settings its nested work is planned with are part of the key: the same pmap
-    # planned otherwise is another task, never one key with two specs.
-    return f"{PMAP.name}-{stable_hash(node.hash, i, ctx.options.settings, *inputs)}"
+STREAMS = "pmap_streams"  # memo: (pmap node, call) -> (its consumer task's key, its position in the decode task)
+
+
+def stream_key(ctx: Lowering, producer_key: str, calls: list[tuple[Node, int]]) -> str:
+    # The decode it reads, the calls it runs and the rewrite settings its nested work is
+    # planned with are the key: the same pmap planned otherwise is another task, never one
+    # key with two specs.
+    return f"{PMAP.name}-" + stable_hash(producer_key, [(node.hash, i) for node, i in calls], ctx.options.settings)
+
+
+def stream_channels(ctx: Lowering, producer_key: str, readers: list[list[tuple[Node, int]]]) -> list[list[str]]:
+    """A streamed decode task's channels: per position, the consumer tasks reading it. The
+    calls of one pmap (or one consolidated group of pmaps) reading this task share a consumer
+    task; which one is recorded for their lowering, which comes after."""
+    groups: dict = {}
+    for pos, calls in enumerate(readers):
+        for node, i in calls:
+            fused = decision(ctx.graph, node).fused
+            groups.setdefault(("group", fused[0]) if fused else node, []).append((pos, node, i))
+    streams = ctx.memo.setdefault(STREAMS, {})
+    channels: list[list[str]] = [[] for _ in readers]
+    for members in groups.values():
+        key = stream_key(ctx, producer_key, [(node, i) for _, node, i in members])
+        for pos, node, i in members:
+            streams[node, i] = (key, pos)
+            if key not in channels[pos]:
+                channels[pos].append(key)
+    return channels
 
 
 def _call_parts(graph: nx.DiGraph, node: Node, i: int) -> list:
     src = node.inputs["stream"]
     return [Dyn(src, item_of(src, i)), *(input_part(node, f"arg{j}", i) for j in range(len(node.inputs) - 1))]
-
-
-def is_plain(graph: nx.DiGraph, node: Node) -> bool:
-    """An unstreamed pmap: its calls may share consumer tasks with others' (a fused source is
-    one of its predecessors, as the pipeline pass links them)."""
-    return is_pmap(node) and not decision(graph, node).streamed
 
 
 def base_spec(graph: nx.DiGraph, node: Node) -> PmapSpec:
@@ -71,37 +90,35 @@ def base_spec(graph: nx.DiGraph, node: Node) -> PmapSpec:
 
 
 def _lower(ctx: Lowering, node: Node) -> None:
-    src = source(ctx.graph, node)
-    spec, stage_args = spec_and_args(ctx.graph, node)
-    spec = _planned(ctx, spec)
-    streamed = decision(ctx.graph, node).streamed
-    ctx.count_requested(PMAP.name, node.n)
-    ctx.loc[node] = [None] * node.n
-    finished = []  # calls over finished lists: consumed in shards, one task each
-    for i in range(node.n):
-        where = ctx.loc[src][item_of(src, i)]
-        if not (streamed and where[0] != INLINE):  # a cached decode has nothing to stream
-            finished.append(i)
-            continue
-        producer_key, pos = where
-        key = task_key(ctx, node, i, producer_key)
-        stream = Source(producer_key, pos, src.params["sampling"].deterministic)
-        resolved, deps = ctx.resolve([[Dyn(a, item_of(a, i)) for a in stage_args]])
-        ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, stream, [(i, None, resolved[0], spec.ancestry)], *deps))
-        join = f"stream-{key}"
-        ctx.add(PMAP.name, join, Task(join, first, TaskRef(key), TaskRef(producer_key)))
-        ctx.loc[node][i] = (join, 0)
-    for shard in ctx.shards(node, finished):
-        _consumer(ctx, spec, [(node, i) for i in shard])
+    cut = lambda entries: [[(node, i) for i in shard] for shard in ctx.shards(node, [i for _, i in entries])]
+    _lower_calls(ctx, [node], _planned(ctx, spec_and_args(ctx.graph, node)[0]), cut)
 
 
 def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
-    """Pmaps the stage pass consolidated (one base spec, unstreamed): their calls share consumer tasks."""
+    """Pmaps the stage pass consolidated (one base spec): their calls share consumer tasks."""
+    _lower_calls(ctx, nodes, _planned(ctx, base_spec(ctx.graph, nodes[0])), lambda entries: ctx.group_shards(nodes, entries))
+
+
+def _lower_calls(ctx: Lowering, nodes: list[Node], spec: PmapSpec, cut) -> None:
+    """Streamed calls: one consumer per decode task they read; the others (over finished
+    lists, or a decode served by the cache, with nothing to stream): in shards, ``cut(calls)``."""
+    registered = ctx.memo.get(STREAMS, {})
+    finished, streams = [], {}
     for node in nodes:
         ctx.count_requested(PMAP.name, node.n)
         ctx.loc[node] = [None] * node.n
-    spec = _planned(ctx, base_spec(ctx.graph, nodes[0]))
-    for shard in ctx.group_shards(nodes, [(node, i) for node in nodes for i in range(node.n)]):
+        streamed, src = decision(ctx.graph, node).streamed, source(ctx.graph, node)
+        for i in range(node.n):
+            producer_key, pos = ctx.loc[src][item_of(src, i)]
+            if not streamed or producer_key == INLINE:
+                finished.append((node, i))
+                continue
+            # A decode that found this call a duplicate of another node's did not register it: its own key, read from the result
+            key, pos = registered.get((node, i)) or (stream_key(ctx, producer_key, [(node, i)]), pos)
+            streams.setdefault(key, (producer_key, []))[1].append((node, i, pos))
+    for key, (producer_key, members) in streams.items():
+        _stream_consumer(ctx, spec, key, producer_key, members)
+    for shard in cut(finished):
         _consumer(ctx, spec, shard)
 
 
@@ -109,6 +126,24 @@ def _planned(ctx: Lowering, spec: PmapSpec) -> PmapSpec:
     """The spec a task runs: nested work planned with this plan's options and view."""
     nested = dataclasses.replace(ctx.options, results=None)  # a store stays in its process; the worker has its own
     return dataclasses.replace(spec, submit=ctx.options.submit_nested, planning=(nested, ctx.view))
+
+
+def _stream_consumer(ctx: Lowering, spec: PmapSpec, key: str, producer_key: str, members: list[tuple[Node, int, int]]) -> None:
+    """One consumer task reading calls (node, call, position) of decode task ``producer_key``."""
+    parts, ancestry, deterministic = [], [], True
+    for node, i, _ in members:
+        node_spec, stage_args = spec_and_args(ctx.graph, node)
+        parts.append([Dyn(a, item_of(a, i)) for a in stage_args])
+        ancestry.append(node_spec.ancestry)
+        deterministic &= source(ctx.graph, node).params["sampling"].deterministic
+    resolved, deps = ctx.resolve(parts)
+    calls = [(i, None, r, a) for (_, i, _), r, a in zip(members, resolved, ancestry)]
+    stream = Source(producer_key, tuple(pos for _, _, pos in members), deterministic)
+    ctx.add(PMAP.name, key, Task(key, run_pmap, key, spec, stream, calls, *deps))
+    join = f"stream-{key}"
+    ctx.add(PMAP.name, join, Task(join, first, TaskRef(key), TaskRef(producer_key)))
+    for n, (node, i, _) in enumerate(members):
+        ctx.loc[node][i] = (join, n)
 
 
 def _consumer(ctx: Lowering, spec: PmapSpec, shard: list[tuple[Node, int]]) -> None:

@@ -1,12 +1,14 @@
 """The stream wire format, shared by the decode side, the consumer side and the janitor.
 
-Envelopes ``("item", ancestry, index, payload, run)``, then ``("end", ancestry, count, None,
-run)``; ``("error", ancestry, message, None, run)`` if the decode fails. Payloads are pickled
-and small; one above ``daskllm.streaming.inline-bytes`` goes as a future put on the queue just
-before its envelope (the queue goes through the scheduler). ``run`` tells a recomputed
-decode (its worker died) from the first.
+One queue per (decode task, consumer task): a consumer reads the streams of all its calls
+that one decode task makes through one queue, each envelope naming the call's position in
+that decode task. Envelopes ``("item", position, index, payload, run)``, then ``("end",
+position, count, None, run)``; ``("error", None, message, None, run)`` if the decode fails.
+Payloads are pickled and small; one above ``daskllm.streaming.inline-bytes`` goes as a future
+put on the queue just before its envelope (the queue goes through the scheduler). ``run``
+tells a recomputed decode (its worker died) from the first.
 
-Queues are named ``daskllm-stream/<decode key>/<position>/<consumer key>``.
+Queues are named ``daskllm-stream/<decode key>/<consumer key>``.
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ from dataclasses import dataclass
 QUEUE_PREFIX = "daskllm-stream/"
 
 
-def queue_name(producer_key: str, pos: int, consumer_key: str) -> str:
-    return f"{QUEUE_PREFIX}{producer_key}/{pos}/{consumer_key}"
+def queue_name(producer_key: str, consumer_key: str) -> str:
+    return f"{QUEUE_PREFIX}{producer_key}/{consumer_key}"
 
 
 def parse_queue_name(name: str) -> tuple[str, str] | None:
     if not isinstance(name, str) or not name.startswith(QUEUE_PREFIX):
         return None
-    producer, _, rest = name[len(QUEUE_PREFIX):].partition("/")
-    _, _, consumer = rest.partition("/")
+    producer, _, consumer = name[len(QUEUE_PREFIX):].partition("/")
     return producer, consumer
 
 
@@ -34,10 +35,10 @@ def stream_id(producer_key: str, pos: int) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    """Where a pmap's items come from: a value (the list) or a streamed decode's queue."""
+    """Where a pmap task's items come from: values (its calls' lists) or a streamed decode's queue."""
 
     producer_key: str | None = None  # streamed: the decode task
-    pos: int = 0  # the call's position in that task's shard
+    positions: tuple[int, ...] = ()  # streamed: per call of the consumer, its position in that task's shard
     deterministic: bool = True
 
 

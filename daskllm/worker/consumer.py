@@ -27,7 +27,7 @@ from daskllm.worker.usage import TaskUsage
 class _Item:
     __slots__ = ("index", "stage", "value", "frames", "args")
 
-    def __init__(self, index: int, value, frames: tuple, args: list):
+    def __init__(self, index: tuple[int, int], value, frames: tuple, args: list):
         self.index, self.stage, self.value, self.frames, self.args = index, 0, value, frames, args
 
 
@@ -42,26 +42,31 @@ def _is_lazy(value) -> bool:
 
 
 class Consumer:
-    """One pmap task: runs each item's stages as items arrive, for one call or a shard of its
-    pmap's calls; returns per call its results in index order.
+    """One pmap task: runs each item's stages as items arrive, for a shard of its pmap's
+    calls (or of several pmaps' calls, consolidated); returns per call its results in order.
 
     ``calls``: per call ``(its number in the pmap, its items, its stage arguments, the
-    ancestry frames of the item it was built for)``; a streamed consumer has one call, whose
-    items (None) come by queue. The items of every
-    call here are planned and submitted together, so a shard of calls is one plan and one
-    scheduler message per round, not one per call.
+    ancestry frames of the item it was built for)``. Streamed, every call's items (None here)
+    come from one decode task, through one queue, each at its position
+    ``source.positions[call]`` in that task. The items of every call here are planned and
+    submitted together, so a shard of calls is one plan and one scheduler message per round,
+    not one per call. Items are keyed ``(call, index)``.
     """
 
     def __init__(self, task_key: str, spec: PmapSpec, source: Source, calls: list[tuple[int, list | None, list, tuple]]):
         self.task_key, self.spec, self.source, self.calls = task_key, spec, source, calls
-        self.parent = stream_id(source.producer_key, source.pos) if source.producer_key else task_key[:20]
-        self.offsets = [0]  # each call's first index among this task's items
-        for _, items, _, _ in calls[:-1]:
-            self.offsets.append(self.offsets[-1] + len(items))
-        self.items: dict[int, _Item] = {}
-        self.results: dict[int, Any] = {}
-        self.errors: dict[int, BaseException] = {}
-        self.count: int | None = None
+        if source.producer_key:
+            self.parents = [stream_id(source.producer_key, pos) for pos in source.positions]
+        else:
+            self.parents = [task_key[:20] if len(calls) == 1 else f"{task_key[:20]}/{number}" for number, *_ in calls]
+        self.at_position: dict[int, list[int]] = {}  # a decode position -> the calls reading it
+        for call, pos in enumerate(source.positions):
+            self.at_position.setdefault(pos, []).append(call)
+        self.items: dict[tuple[int, int], _Item] = {}
+        self.results: dict[tuple[int, int], Any] = {}
+        self.errors: dict[tuple[int, int], BaseException] = {}
+        self.counts: list[int | None] = [None] * len(calls)
+        self.received = [0] * len(calls)
         self.pending: dict = {}  # future -> the items waiting for it (identical items share one)
         self.run: str | None = None
         self.first_started: float | None = None
@@ -70,47 +75,61 @@ class Consumer:
         self._ready: list[_Item] = []  # arrived, stages not started
         self._events: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # records, and None to wake up
         self._refs: dict = {}  # futures of big payloads, until their envelopes arrive
-        if all(items is not None for _, items, _, _ in calls):
-            for call, (_, items, _, _) in enumerate(calls):
-                for i, v in enumerate(items):
-                    self._add(i, v, call)
-            self.count = sum(len(items) for _, items, _, _ in calls)
+        for call, (_, items, _, _) in enumerate(calls):
+            if items is not None:
+                self._add_all(call, items)
 
     # -- items arriving --------------------------------------------------------------------
 
-    def _add(self, index: int, value, call: int = 0) -> None:
-        """Item ``index`` of call ``call`` (a stream's consumer has one call)."""
-        at = self.offsets[call] + index
-        if at in self.items:
+    def _add(self, call: int, index: int, value) -> None:
+        if (call, index) in self.items:
             return  # a recomputed decode repeats items already here
-        number, _, args, ancestry = self.calls[call]
-        parent = self.parent if len(self.calls) == 1 else f"{self.parent}/{number}"
-        self.items[at] = _Item(at, value, (*ancestry, (parent, index)), args)
-        self._ready.append(self.items[at])
+        _, _, args, ancestry = self.calls[call]
+        self.items[call, index] = item = _Item((call, index), value, (*ancestry, (self.parents[call], index)), args)
+        self.received[call] += 1
+        self._ready.append(item)
 
-    def _add_all(self, values: list) -> None:
-        """A stream's items all at once, from its decode's result."""
+    def _add_all(self, call: int, values: list) -> None:
+        """A call's items all at once (its list, or its decode's result)."""
         for i, v in enumerate(values):
-            self._add(i, v)
-        self.count = len(values)
+            self._add(call, i, v)
+        self.counts[call] = len(values)
+
+    def _complete(self, call: int) -> bool:
+        return self.counts[call] is not None and self.received[call] >= self.counts[call]
 
     def _records(self, records: list) -> None:
         for r in records:
             if isinstance(r, Future):  # carries a big payload; its envelope comes next
                 self._refs[r.key] = r
                 continue
-            kind, _, a, b, run = r
+            kind, pos, a, b, run = r
             if self.run is not None and run != self.run and not self.source.deterministic:
                 self._restart()
             self.run = run
-            if kind == "item":
-                self._add(a, pickle.loads(b))
-            elif kind == "ref":
-                self._add(a, self._refs.pop(b).result())
-            elif kind == "end":
-                self.count = a
-            elif kind == "error":
-                raise StreamError(f"stream {self.parent}: the decode failed: {a}")
+            if kind == "error":
+                raise StreamError(f"stream {', '.join(dict.fromkeys(self.parents))}: the decode failed: {a}")
+            value = pickle.loads(b) if kind == "item" else self._refs.pop(b).result() if kind == "ref" else None
+            for call in self.at_position.get(pos, ()):
+                if kind == "end":
+                    self.counts[call] = a
+                else:
+                    self._add(call, a, value)
+
+    def _from_result(self, producer) -> None:
+        """The decode finished and some call still misses items (this consumer was rerun after
+        its worker died, and its queue had given the lost run the first items; or the decode
+        ran before): its result has them all, in order."""
+        if producer.status != "finished":
+            try:
+                exc = producer.exception()
+            except BaseException as e:  # noqa: BLE001
+                exc = e
+            raise StreamError(f"stream {', '.join(dict.fromkeys(self.parents))}: the decode {producer.status}: {exc!r}")
+        result = producer.result()
+        for call, pos in enumerate(self.source.positions):
+            if not self._complete(call):
+                self._add_all(call, result[pos])
 
     def _restart(self) -> None:
         """A sampled decode was recomputed: its items may differ, so everything starts over."""
@@ -121,7 +140,8 @@ class Consumer:
         self.results.clear()
         self.errors.clear()
         self._ready = []
-        self.count = None
+        self.counts = [None] * len(self.calls)
+        self.received = [0] * len(self.calls)
 
     # -- running stages --------------------------------------------------------------------
 
@@ -189,8 +209,8 @@ class Consumer:
 
     @property
     def finished(self) -> bool:
-        return self.count is not None and len(self.results) + len(self.errors) >= self.count \
-            and not self.pending
+        return all(self._complete(c) for c in range(len(self.calls))) and not self.pending \
+            and len(self.results) + len(self.errors) >= len(self.items)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -215,7 +235,7 @@ class Consumer:
         with worker_client(separate_thread=True) as client:
             q = producer = reader = None
             if self.source.producer_key is not None:
-                q = Queue(queue_name(self.source.producer_key, self.source.pos, self.task_key), client=client)
+                q = Queue(queue_name(self.source.producer_key, self.task_key), client=client)
                 producer = _watch(client, self.source.producer_key)
                 producer.add_done_callback(self._wake)
                 reader = threading.Thread(target=self._read, args=(q,), daemon=True,
@@ -266,19 +286,11 @@ class Consumer:
                 except queue_mod.Empty:
                     break
             records = [e for e in events if e is not None]
-            if records and self.count is None:
+            if records:
                 self._records(records)
-            if producer is not None and self.count is None and not records and producer.done():
-                if producer.status == "finished":
-                    # Items missed (this consumer was restarted, or the decode ran before):
-                    # the decode's result has them all, in order.
-                    self._add_all(producer.result()[self.source.pos])
-                else:
-                    try:
-                        exc = producer.exception()
-                    except BaseException as e:  # noqa: BLE001
-                        exc = e
-                    raise StreamError(f"stream {self.parent}: the decode {producer.status}: {exc!r}")
+            if producer is not None and not records and producer.done() \
+                    and not all(self._complete(c) for c in range(len(self.calls))):
+                self._from_result(producer)
             batch: list = []
             for item in self._ready:
                 if self.first_started is None:
@@ -295,16 +307,13 @@ class Consumer:
 
     def _result(self) -> list[list]:
         """Per call, its items' results in order (a failed item holds its error)."""
-        n = self.count or 0
-        out = [self.errors.get(i, self.results.get(i)) for i in range(n)]
-        ends = [*self.offsets[1:], n]
-        per_call = [out[start:end] for start, end in zip(self.offsets, ends)]
+        per_call = [[self.errors.get((c, i), self.results.get((c, i))) for i in range(n or 0)]
+                    for c, n in enumerate(self.counts)]
         if self.errors and self.spec.errors == "raise":
-            first = min(self.errors)
-            call = max(c for c, start in enumerate(self.offsets) if start <= first)
-            failed = sum(1 for i in self.errors if self.offsets[call] <= i < ends[call])
-            exc = self.errors[first]
-            raise ItemError(f"{exc} ({failed} of {ends[call] - self.offsets[call]} items failed; the others finished "
+            call, index = min(self.errors)
+            exc = self.errors[call, index]
+            failed = sum(1 for c, _ in self.errors if c == call)
+            raise ItemError(f"{exc} ({failed} of {self.counts[call]} items failed; the others finished "
                             f"and are in .results)", exc.ancestry, per_call[call]) from exc
         return per_call
 

@@ -124,8 +124,8 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split:
 def run_pmap(task_key: str, spec: PmapSpec, source: Source, calls: list, *deps) -> list[list]:
     """A pmap task: each item of each of its calls through the spec's stages; per call, its
     results in order. A call is ``(its number in the pmap, its items part, its stage argument
-    parts, the ancestry frames of the item it was built for)``; streamed (one call), the items
-    part is None: they come by queue."""
+    parts, the ancestry frames of the item it was built for)``; streamed, the items parts are
+    None: they come by queue."""
     resolved = []
     for number, source_part, arg_parts, ancestry in calls:
         items = None if source.producer_key else _value(source_part, deps)

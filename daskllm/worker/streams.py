@@ -15,13 +15,15 @@ from distributed import Queue, get_client
 
 from daskllm import config
 from daskllm.streaming.split import ItemEmitter, Splitter
-from daskllm.streaming.wire import queue_name, stream_id
+from daskllm.streaming.wire import queue_name
 
 class StreamWriter:
     """The decode side: sends each call's new items to its consumers' queues.
 
-    A queue that is gone (its consumer finished or was cancelled) is dropped silently: the
-    decode still returns its full result.
+    ``channels``: per call (position in this task), the consumer tasks reading it; a consumer
+    reading several of this task's calls has one queue for them all. A queue that is gone
+    (its consumer finished or was cancelled) is dropped silently: the decode still returns
+    its full result.
     """
 
     def __init__(self, task_key: str, channels: list[list[str]]):
@@ -29,9 +31,9 @@ class StreamWriter:
         self.run = uuid.uuid4().hex[:8]
         self.inline = int(config.get("streaming.inline-bytes"))
         self.task_key = task_key
-        self.queues: dict[int, list] = {}
-        for pos, consumers in enumerate(channels):
-            self.queues[pos] = [q for q in (self._open(queue_name(task_key, pos, c)) for c in consumers) if q]
+        opened = {c: self._open(queue_name(task_key, c)) for c in dict.fromkeys(c for cs in channels for c in cs)}
+        self.queues: dict[int, list] = {pos: [opened[c] for c in consumers if opened[c] is not None]
+                                        for pos, consumers in enumerate(channels)}
 
     def _open(self, name: str):
         try:
@@ -39,38 +41,37 @@ class StreamWriter:
         except Exception:  # noqa: BLE001 - scheduler unreachable: the consumer falls back to the result
             return None
 
-    def _put(self, pos: int, envelope: tuple, future=None) -> None:
-        for q in list(self.queues.get(pos, ())):
+    def _put(self, positions, envelope: tuple, future=None) -> None:
+        for q in dict.fromkeys(q for pos in positions for q in self.queues.get(pos, ())):
             try:
                 if future is not None:
                     q.put(future)
                 q.put(list(envelope))
             except Exception:  # noqa: BLE001 - queue deleted: nobody listens any more
-                self.queues[pos].remove(q)
+                for qs in self.queues.values():
+                    if q in qs:
+                        qs.remove(q)
 
     def item(self, pos: int, index: int, value) -> None:
         payload = pickle.dumps(value, protocol=5)
-        ancestry = stream_id(self.task_key, pos)
         if len(payload) > self.inline:
             [future] = self.client.scatter([value], hash=False)
-            self._put(pos, ("ref", ancestry, index, future.key, self.run), future)
+            self._put([pos], ("ref", pos, index, future.key, self.run), future)
         else:
-            self._put(pos, ("item", ancestry, index, payload, self.run))
+            self._put([pos], ("item", pos, index, payload, self.run))
 
     def end(self, pos: int, count: int) -> None:
-        self._put(pos, ("end", stream_id(self.task_key, pos), count, None, self.run))
+        self._put([pos], ("end", pos, count, None, self.run))
 
     def error(self, message: str) -> None:
-        for pos in self.queues:
-            self._put(pos, ("error", stream_id(self.task_key, pos), message, None, self.run))
+        self._put(list(self.queues), ("error", None, message, None, self.run))
 
     def close(self) -> None:
-        for qs in self.queues.values():
-            for q in qs:
-                try:
-                    q.close()
-                except Exception:  # noqa: BLE001
-                    pass
+        for q in dict.fromkeys(q for qs in self.queues.values() for q in qs):
+            try:
+                q.close()
+            except Exception:  # noqa: BLE001
+                pass
         self.queues = {}
 
 

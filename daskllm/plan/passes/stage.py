@@ -8,12 +8,14 @@ later stages of the upstream one still run. A consumer that needs everything dep
 all shards (the aggregate). Without this pass a batched node is one task.
 
 Consolidation (Halo's (operator, query shard) tasks across queries): small generate nodes
-at the same depth of the graph with the same model, sampling parameters and shared prefixes,
-such as the per-query calls of a pmap's items planned together, are lowered as one batch:
-their calls share shard tasks (a depth, the longest path from the graph's sources, never
-holds two nodes of which one needs the other). Many small nodes become a few tasks instead
-of one or two each. Small unstreamed pmaps built by the same code for different items (a
-per-query ``each`` inside per-query work) share consumer tasks the same way.
+at the same depth of the graph with the same model, sampling parameters, split and shared
+prefixes, such as the per-query calls of a pmap's items planned together, are lowered as one
+batch: their calls share shard tasks (a depth, the longest path from the graph's sources,
+never holds two nodes of which one needs the other). Many small nodes become a few tasks
+instead of one or two each. Small pmaps built by the same code for different items (a
+per-query ``each`` inside per-query work, or the per-item consumers of those decodes'
+streams) share consumer tasks the same way: one per shard of finished lists, one per decode
+task for streamed calls.
 """
 
 from __future__ import annotations
@@ -53,22 +55,23 @@ class StageSplit:
 def _consolidate(graph: nx.DiGraph, generate_size: int | None, pmap_size: int | None) -> int:
     """Group small nodes by depth and by what lets them share tasks; record groups of two or more.
 
-    ``generate`` (fewer calls than a shard, no streams): by model, sampling and the shared
+    ``generate`` (fewer calls than a shard): by model, sampling, split and the shared
     prefixes their calls wait for (so a shared task's calls find one prefix on one worker).
-    ``pmap`` (unstreamed): by base spec (the same stages, errors and stickiness: built by the
-    same code for different items), so one consumer runs many per-item pmaps' calls.
+    ``pmap``: by base spec (the same stages, errors and stickiness: built by the same code for
+    different items), so one consumer runs many per-item pmaps' calls.
     """
     plan = state(graph)
     depth = depths(graph)
     groups: dict[tuple, list] = {}
     for node in depth:
-        if generate_size and generate_op.is_plain(node) and node.n < generate_size:
+        if generate_size and node.op == generate_op.GENERATE.name and node.n < generate_size:
             shared = frozenset(p for p in decision(graph, node).prefills or () if p is not None
                                and not prefill_op.is_partial(p))
             model = node.params["model"]
-            key = (depth[node], model, node.params["sampling"], shared)
+            split = node.params.get("split")
+            key = (depth[node], model, node.params["sampling"], split and split.fingerprint, shared)
             size = lambda calls, model=model: min(generate_size, -(-calls // plan.view.holding(model)))
-        elif pmap_size and pmap_op.is_plain(graph, node) and node.n < pmap_size:
+        elif pmap_size and pmap_op.is_pmap(node) and node.n < pmap_size:
             key = (depth[node], pmap_op.base_spec(graph, node))
             size = lambda calls: pmap_size
         else:
