@@ -244,6 +244,27 @@ def test_per_item_streams_share_decode_and_consumer_tasks():
         assert alone["decode"] == 12 and alone["pmap"] == 2 * 12  # a consumer and its join per stream
 
 
+def test_per_item_searches_embeds_and_reranks_share_tasks():
+    """Per-item search, embed and rerank nodes of one depth (one index, one model) are
+    consolidated like generates: a few tasks, not one to four per item."""
+    from daskllm.plan.context import ClusterView
+    from daskllm.retrieval import ShardedIndex
+    from daskllm.runtime.submit import plan
+
+    index = ShardedIndex(None, "docs", {"dim": 384}, ["tcp://a:1", "tcp://b:1"], sizes=[5, 5])
+    view = ClusterView(on_cluster=True, holders=((("embed", "all-MiniLM-L6-v2"), 2), (("rerank", "all-MiniLM-L6-v2"), 2)),
+                       reporting=2)
+    items = [f"claim {i}" for i in range(20)]
+    nodes = [daskllm.search(index, q, k=2) for q in items]  # each embeds its query, then searches
+    nodes += [daskllm.rerank(q, [f"doc {q}", "other doc"], k=1) for q in items]
+    tasks = plan(nodes, view=view).report["tasks"]
+    assert tasks["search"] == 2 and tasks["merge"] == 1  # one shard of 20 queries: a task per index shard
+    assert tasks["rerank"] == 2 and tasks["embed"] <= 2  # a shard per worker holding the model
+    with dask.config.set({"daskllm.rewrite.passes": ["cse"]}):
+        alone = plan(nodes, view=view).report["tasks"]
+        assert alone["search"] == 40 and alone["embed"] == 20 and alone["rerank"] == 20
+
+
 def test_usage_and_the_result_cache(client):
     node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:4]), max_tokens=5)
     with daskllm.usage() as first:

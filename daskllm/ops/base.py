@@ -55,7 +55,11 @@ class Lowering(Protocol):
 
     def place_calls(self, entries: list[tuple[Node, int]], key: str) -> None: ...
 
-    def entries_token(self, entries: list[tuple[Node, int]]) -> str: ...
+    def entries_token(self, entries: list[tuple[Node, int]], *extra) -> str: ...
+
+    def group_todo(self, nodes: list[Node]) -> tuple[list[tuple[Node, int]], dict[Node, list[str]]]: ...
+
+    def group_shards(self, nodes: list[Node], entries: list) -> list[list]: ...
 
     def fill_duplicates(self, node: Node, item_hashes: list[str]) -> None: ...
 
@@ -76,7 +80,8 @@ class TaskType:
     batch item (CSE, the result cache and sharding apply to them). ``prompted``: its calls are
     prompts (tokenized, prefix-shared). ``cacheable``: deterministic calls may be remembered.
     ``lower(lowering, node)`` adds its tasks (``lower_fused(lowering, nodes)``, if set, those of
-    nodes the stage pass consolidated into shared tasks); ``call_parts(graph, node, i)``, if set, gives
+    nodes the stage pass consolidated into shared tasks: small nodes of one depth with the same
+    ``group_key(graph, node)``); ``call_parts(graph, node, i)``, if set, gives
     call i's parts where they are not simply its inputs in order; ``value_hashes(node)``, for a
     value node, the structural hash of each of its items.
     """
@@ -90,5 +95,6 @@ class TaskType:
     cacheable: bool = False
     call_parts: Callable | None = field(default=None, compare=False)
     lower_fused: Callable | None = field(default=None, compare=False)  # (lowering, nodes): nodes sharing tasks
+    group_key: Callable | None = field(default=None, compare=False)  # (graph, node): what nodes sharing tasks share
     value_hashes: Callable[[Node], list[str]] | None = field(default=None, compare=False)
     is_stream: Callable[[Node], bool] = field(default=lambda node: False, compare=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-
 from daskllm.annotations import TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
 from daskllm.plan.ir import Node
@@ -12,14 +11,31 @@ from daskllm.plan.ir import Node
 
 def lower_shards(ctx: Lowering, node: Node, kind: TaskType, fn: Callable, *params) -> None:
     """One ``fn(key, *params, calls, *deps)`` task of type ``kind`` per shard; ``params[0]`` is the model."""
-    task, engine = kind.name, kind.engine
     todo, item_hashes = ctx.todo(node)
-    calls = ctx.calls(node)
     for shard in ctx.shards(node, todo):
-        key = f"{task}-{ctx.token(node, item_hashes, shard)}"
-        resolved, deps = ctx.resolve([calls[i] for i in shard])
-        args = [r[0] if len(r) == 1 else tuple(r) for r in resolved]
-        ctx.add(task, key, ctx.engine_task(key, fn, key, *params, args, *deps),
-                TaskAnnotation(op=task, engine=engine, model=params[0], shard=len(shard)))
-        ctx.place(node, item_hashes, shard, key)
+        _task(ctx, [(node, i) for i in shard], kind, fn, params)
     ctx.fill_duplicates(node, item_hashes)
+
+
+def lower_fused_shards(ctx: Lowering, nodes: list[Node], kind: TaskType, fn: Callable, *params) -> None:
+    """:func:`lower_shards` for nodes the stage pass consolidated: their calls share tasks."""
+    entries, hashes = ctx.group_todo(nodes)
+    for shard in ctx.group_shards(nodes, entries):
+        _task(ctx, shard, kind, fn, params)
+    for node in nodes:
+        ctx.fill_duplicates(node, hashes[node])
+
+
+def _task(ctx: Lowering, entries: list[tuple[Node, int]], kind: TaskType, fn: Callable, params: tuple) -> None:
+    task = kind.name
+    key = f"{task}-{ctx.entries_token(entries)}"
+    resolved, deps = ctx.resolve([ctx.calls(node)[i] for node, i in entries])
+    args = [r[0] if len(r) == 1 else tuple(r) for r in resolved]
+    ctx.add(task, key, ctx.engine_task(key, fn, key, *params, args, *deps),
+            TaskAnnotation(op=task, engine=kind.engine, model=params[0], shard=len(entries)))
+    ctx.place_calls(entries, key)
+
+
+def model_key(graph, node: Node) -> tuple:
+    """Calls of nodes with the same params (model, k) may share a task."""
+    return tuple(sorted(node.params.items()))

@@ -41,18 +41,13 @@ def _lower(ctx: Lowering, node: Node) -> None:
 def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
     """Nodes the stage pass consolidated (same model, sampling and split): their distinct
     calls, in order, cut into shared shards."""
-    hashes, entries, seen, consumers = {}, [], set(), {}
+    entries, hashes = ctx.group_todo(nodes)
+    consumers: dict = {}
     for node in nodes:
-        todo, hashes[node] = ctx.todo(node)
         if is_split(node):
             for h, readers in _stream_consumers(ctx, node, hashes[node]).items():
                 consumers.setdefault(h, []).extend(readers)
         _note_static(ctx, node)
-        for i in todo:
-            h = hashes[node][i]
-            if not (ctx.dedupe and h in seen):  # a duplicate across the nodes points at the first
-                seen.add(h)
-                entries.append((node, i))
     for number, shard in enumerate(ctx.group_shards(nodes, entries)):
         _decode(ctx, nodes[0].params, shard, number, consumers)
     for node in nodes:
@@ -107,5 +102,13 @@ def _stream_consumers(ctx: Lowering, node: Node, item_hashes: list[str]) -> dict
     return consumers
 
 
+def _group_key(graph, node: Node) -> tuple:
+    """Model, sampling, split and the shared prefixes the calls wait for (so a shared task's
+    calls find one prefix on one worker)."""
+    shared = frozenset(p for p in decision(graph, node).prefills or () if p is not None and not prefill_op.is_partial(p))
+    split = node.params.get("split")
+    return node.params["model"], node.params["sampling"], split and split.fingerprint, shared
+
+
 GENERATE = TaskType("generate", _lower, engine="llm", calls=True, prompted=True, cacheable=True, is_stream=is_split,
-                    lower_fused=_lower_fused)
+                    lower_fused=_lower_fused, group_key=_group_key)

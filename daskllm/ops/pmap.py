@@ -165,4 +165,4 @@ def _consumer(ctx: Lowering, spec: PmapSpec, shard: list[tuple[Node, int]]) -> N
 
 
 PMAP = TaskType(PMAP_TASK, _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True,
-                lower_fused=_lower_fused)
+                lower_fused=_lower_fused, group_key=base_spec)

@@ -30,23 +30,40 @@ class IndexRef:
 
 
 def _lower(ctx: Lowering, node: Node) -> None:
-    index, k = node.params["index"], node.params["k"]
     todo, item_hashes = ctx.todo(node)
-    calls = ctx.calls(node)
     for shard in ctx.shards(node, todo):
-        token = ctx.token(node, item_hashes, shard, index.fingerprint, k)
-        resolved, deps = ctx.resolve([calls[i] for i in shard])
-        queries = [r[0] for r in resolved]
-        shard_keys = []
-        for s, worker in enumerate(index.workers):
-            key = f"{SEARCH.name}-{token}-shard{s}"
-            ctx.add(SEARCH.name, key, Task(key, run_search, key, index.name, s, k, queries, *deps),
-                    TaskAnnotation(op=SEARCH.name, index=index.name, shard=len(shard), index_shard=s), pin=worker)
-            shard_keys.append(key)
-        key = f"{SEARCH.name}-{token}"
-        ctx.add("merge", key, Task(key, merge_shards, k, *[TaskRef(sk) for sk in shard_keys]))
-        ctx.place(node, item_hashes, shard, key)
+        _search(ctx, node.params, [(node, i) for i in shard])
     ctx.fill_duplicates(node, item_hashes)
 
 
-SEARCH = TaskType(SEARCH_TASK, _lower, inputs=("query",), calls=True, cacheable=True)
+def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
+    """Searches the stage pass consolidated (one index, one k): their queries share tasks."""
+    entries, hashes = ctx.group_todo(nodes)
+    for shard in ctx.group_shards(nodes, entries):
+        _search(ctx, nodes[0].params, shard)
+    for node in nodes:
+        ctx.fill_duplicates(node, hashes[node])
+
+
+def _search(ctx: Lowering, params: dict, entries: list[tuple[Node, int]]) -> None:
+    index, k = params["index"], params["k"]
+    token = ctx.entries_token(entries, index.fingerprint, k)
+    resolved, deps = ctx.resolve([ctx.calls(node)[i] for node, i in entries])
+    queries = [r[0] for r in resolved]
+    shard_keys = []
+    for s, worker in enumerate(index.workers):
+        key = f"{SEARCH.name}-{token}-shard{s}"
+        ctx.add(SEARCH.name, key, Task(key, run_search, key, index.name, s, k, queries, *deps),
+                TaskAnnotation(op=SEARCH.name, index=index.name, shard=len(entries), index_shard=s), pin=worker)
+        shard_keys.append(key)
+    key = f"{SEARCH.name}-{token}"
+    ctx.add("merge", key, Task(key, merge_shards, k, *[TaskRef(sk) for sk in shard_keys]))
+    ctx.place_calls(entries, key)
+
+
+def _group_key(graph, node: Node) -> tuple:
+    return node.params["index"].fingerprint, node.params["k"]
+
+
+SEARCH = TaskType(SEARCH_TASK, _lower, inputs=("query",), calls=True, cacheable=True, lower_fused=_lower_fused,
+                  group_key=_group_key)

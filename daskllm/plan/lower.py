@@ -207,14 +207,27 @@ class Lowering:
         where = None if self.dedupe else (node.hash, shard)
         return stable_hash([item_hashes[i] for i in shard], where, *extra)
 
-    def entries_token(self, entries: list[tuple[Node, int]]) -> str:
+    def entries_token(self, entries: list[tuple[Node, int]], *extra) -> str:
         """:meth:`token` for a task whose calls (node, call) may come from several nodes."""
         nodes = {node for node, _ in entries}
         if len(nodes) == 1:
             node = entries[0][0]
-            return self.token(node, self.call_hashes(node), [i for _, i in entries])
+            return self.token(node, self.call_hashes(node), [i for _, i in entries], *extra)
         where = None if self.dedupe else [(node.hash, i) for node, i in entries]
-        return stable_hash([self.call_hashes(node)[i] for node, i in entries], where)
+        return stable_hash([self.call_hashes(node)[i] for node, i in entries], where, *extra)
+
+    def group_todo(self, nodes: list[Node]) -> tuple[list[tuple[Node, int]], dict[Node, list[str]]]:
+        """:meth:`todo` for nodes the stage pass consolidated: their distinct calls (node, call),
+        in order (a duplicate across the nodes points at the first), and each node's call hashes."""
+        hashes, entries, seen = {}, [], set()
+        for node in nodes:
+            todo, hashes[node] = self.todo(node)
+            for i in todo:
+                h = hashes[node][i]
+                if not (self.dedupe and h in seen):
+                    seen.add(h)
+                    entries.append((node, i))
+        return entries, hashes
 
     def place(self, node: Node, item_hashes: list[str], shard: list[int], key: str) -> None:
         self.place_calls([(node, i) for i in shard], key)
