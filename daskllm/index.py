@@ -13,6 +13,8 @@ score by the same per-pair routine, whatever the batch: see ``_exact_scores``.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import pathlib
 import threading
@@ -36,9 +38,14 @@ class IndexError_(LookupError):
     """A named index or shard is not where it was looked for."""
 
 
+@functools.cache
 def _faiss():
     import faiss
 
+    # One thread per search (parallelism comes from workers and tasks): a parallel region of
+    # faiss's own OpenMP runtime, next to torch's (a second libgomp in the process), can
+    # freeze a whole worker process, heartbeats included.
+    faiss.omp_set_num_threads(1)
     return faiss
 
 

@@ -201,6 +201,13 @@ def test_agg_summarizes_the_table_as_a_tree(client):
     assert u.operators["agg"]["executed"] == 7
 
 
+def test_agg_takes_rows_with_braces_as_data(client):
+    """Rows (and the summaries made of them) are values, never parsed as a template."""
+    frame = pd.DataFrame({"q": ["{not a slot}", "a } b {", "{{x}}", "{0} and {q}"]})
+    summary = dd.from_pandas(frame, npartitions=2).llm.agg("Row: {q}", max_tokens=4, split_every=2).compute()
+    assert isinstance(summary, str) and summary
+
+
 def test_series_accessor(client):
     s = table()["q"]
     mapped = s.llm.map(TEMPLATE, max_tokens=6).compute()

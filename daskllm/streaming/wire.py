@@ -4,6 +4,7 @@ One queue per (decode task, consumer task): a consumer reads the streams of all 
 that one decode task makes through one queue, each envelope naming the call's position in
 that decode task. Envelopes ``("item", position, index, payload, run)``, then ``("end",
 position, count, None, run)``; ``("error", None, message, None, run)`` if the decode fails.
+The envelopes a decode step completes go in one queue message (a list of them).
 Payloads are pickled and small; one above ``daskllm.streaming.inline-bytes`` goes as a future
 put on the queue just before its envelope (the queue goes through the scheduler). ``run``
 tells a recomputed decode (its worker died) from the first.

@@ -272,7 +272,11 @@ class Consumer:
                 return
             if isinstance(record, (list, tuple)) and record and record[0] == "stop":
                 return
-            self._events.put(record)
+            if isinstance(record, (list, tuple)) and record and isinstance(record[0], (list, tuple)):  # sent together
+                for envelope in record:
+                    self._events.put(envelope)
+            else:
+                self._events.put(record)
 
     def _loop(self, client, producer) -> None:
         while True:

@@ -34,6 +34,7 @@ class StreamWriter:
         opened = {c: self._open(queue_name(task_key, c)) for c in dict.fromkeys(c for cs in channels for c in cs)}
         self.queues: dict[int, list] = {pos: [opened[c] for c in consumers if opened[c] is not None]
                                         for pos, consumers in enumerate(channels)}
+        self.pending: dict = {}  # queue -> envelopes not sent yet
 
     def _open(self, name: str):
         try:
@@ -41,12 +42,19 @@ class StreamWriter:
         except Exception:  # noqa: BLE001 - scheduler unreachable: the consumer falls back to the result
             return None
 
-    def _put(self, positions, envelope: tuple, future=None) -> None:
+    def _put(self, positions, envelope: tuple) -> None:
+        """Buffer an envelope for the queues of ``positions``' consumers; :meth:`flush` sends."""
         for q in dict.fromkeys(q for pos in positions for q in self.queues.get(pos, ())):
+            self.pending.setdefault(q, []).append(list(envelope))
+
+    def flush(self) -> None:
+        """Send what is buffered: one queue message per consumer, however many items of this
+        task's calls completed since the last flush (a decode step completes items of many
+        calls at once; their consumer then plans them together)."""
+        pending, self.pending = self.pending, {}
+        for q, envelopes in pending.items():
             try:
-                if future is not None:
-                    q.put(future)
-                q.put(list(envelope))
+                q.put(envelopes)
             except Exception:  # noqa: BLE001 - queue deleted: nobody listens any more
                 for qs in self.queues.values():
                     if q in qs:
@@ -56,7 +64,13 @@ class StreamWriter:
         payload = pickle.dumps(value, protocol=5)
         if len(payload) > self.inline:
             [future] = self.client.scatter([value], hash=False)
-            self._put([pos], ("ref", pos, index, future.key, self.run), future)
+            self.flush()  # the future goes just before its envelope
+            for q in self.queues.get(pos, ()):
+                try:
+                    q.put(future)
+                except Exception:  # noqa: BLE001 - the envelope's put drops the queue
+                    pass
+            self._put([pos], ("ref", pos, index, future.key, self.run))
         else:
             self._put([pos], ("item", pos, index, payload, self.run))
 
@@ -65,6 +79,7 @@ class StreamWriter:
 
     def error(self, message: str) -> None:
         self._put(list(self.queues), ("error", None, message, None, self.run))
+        self.flush()
 
     def close(self) -> None:
         for q in dict.fromkeys(q for qs in self.queues.values() for q in qs):
@@ -90,19 +105,27 @@ def stream_decode(engine, prompts: list, sampling, split: Splitter, writer: Stre
         emitters = [ItemEmitter(split, lambda i, v, pos=pos: writer.item(pos, i, v)) for pos in range(len(prompts))]
         open_ = len(prompts)
         while open_:
-            pos, delta = deltas.get()
-            if delta is None:
-                open_ -= 1
-                continue
-            texts[pos] += delta
-            try:
-                emitters[pos].update(texts[pos])
-            except ValueError:
-                pass  # the final check below reports it, with the whole text
+            arrived = [deltas.get()]
+            while True:  # and whatever else this engine step gave: sent together
+                try:
+                    arrived.append(deltas.get_nowait())
+                except queue_mod.Empty:
+                    break
+            for pos, delta in arrived:
+                if delta is None:
+                    open_ -= 1
+                    continue
+                texts[pos] += delta
+                try:
+                    emitters[pos].update(texts[pos])
+                except ValueError:
+                    pass  # the final check below reports it, with the whole text
+            writer.flush()
         completions = [f.result() for f in futures]
         for pos, c in enumerate(completions):
             items = emitters[pos].update(c.text, final=True)
             writer.end(pos, len(items))
+        writer.flush()
         return completions
     except BaseException as exc:
         writer.error(f"{type(exc).__name__}: {exc}")
