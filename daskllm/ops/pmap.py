@@ -78,6 +78,13 @@ def stream_channels(ctx: Lowering, producer_key: str, readers: list[list[tuple[N
     return channels
 
 
+def _group_key(graph: nx.DiGraph, node: Node) -> tuple:
+    """Pmaps built by the same code for different items share consumer tasks: the same stages
+    (by fingerprint: a stage may hold unhashable values, such as an index), errors and stickiness."""
+    spec = base_spec(graph, node)
+    return tuple(stage.fingerprint for stage in spec.stages), spec.errors, spec.sticky
+
+
 def _call_parts(graph: nx.DiGraph, node: Node, i: int) -> list:
     src = node.inputs["stream"]
     return [Dyn(src, item_of(src, i)), *(input_part(node, f"arg{j}", i) for j in range(len(node.inputs) - 1))]
@@ -165,4 +172,4 @@ def _consumer(ctx: Lowering, spec: PmapSpec, shard: list[tuple[Node, int]]) -> N
 
 
 PMAP = TaskType(PMAP_TASK, _lower, inputs=("stream",), call_parts=_call_parts, is_stream=lambda node: True,
-                lower_fused=_lower_fused, group_key=base_spec)
+                lower_fused=_lower_fused, group_key=_group_key)

@@ -63,7 +63,11 @@ def _consolidate(graph: nx.DiGraph, sizes: dict[str, int]) -> int:
         kind, size = task_type(node), sizes.get(node.op)
         if kind.group_key is None or not size or node.n >= size:
             continue
-        groups.setdefault((depth[node], node.op, kind.group_key(graph, node)), []).append(node)
+        key = (depth[node], node.op, kind.group_key(graph, node))
+        try:
+            groups.setdefault(key, []).append(node)
+        except TypeError:  # a key holding an unhashable value (from user data): that node keeps its own tasks
+            continue
     fused = 0
     for number, nodes in enumerate(groups.values()):
         if len(nodes) < 2:
