@@ -9,21 +9,31 @@ from daskllm.ops.base import Lowering, TaskType
 from daskllm.plan.ir import Node
 
 
-def lower_shards(ctx: Lowering, node: Node, kind: TaskType, fn: Callable, *params) -> None:
-    """One ``fn(key, *params, calls, *deps)`` task of type ``kind`` per shard; ``params[0]`` is the model."""
+def each_shard(ctx: Lowering, node: Node, lower_shard: Callable) -> None:
+    """``lower_shard(entries)`` for each shard of a node's distinct calls (node, call)."""
     todo, item_hashes = ctx.todo(node)
     for shard in ctx.shards(node, todo):
-        _task(ctx, [(node, i) for i in shard], kind, fn, params)
+        lower_shard([(node, i) for i in shard])
     ctx.fill_duplicates(node, item_hashes)
+
+
+def each_fused_shard(ctx: Lowering, nodes: list[Node], lower_shard: Callable) -> None:
+    """:func:`each_shard` for nodes the stage pass consolidated: their calls share shards."""
+    entries, hashes = ctx.group_todo(nodes)
+    for shard in ctx.group_shards(nodes, entries):
+        lower_shard(shard)
+    for node in nodes:
+        ctx.fill_duplicates(node, hashes[node])
+
+
+def lower_shards(ctx: Lowering, node: Node, kind: TaskType, fn: Callable, *params) -> None:
+    """One ``fn(key, *params, calls, *deps)`` task of type ``kind`` per shard; ``params[0]`` is the model."""
+    each_shard(ctx, node, lambda entries: _task(ctx, entries, kind, fn, params))
 
 
 def lower_fused_shards(ctx: Lowering, nodes: list[Node], kind: TaskType, fn: Callable, *params) -> None:
     """:func:`lower_shards` for nodes the stage pass consolidated: their calls share tasks."""
-    entries, hashes = ctx.group_todo(nodes)
-    for shard in ctx.group_shards(nodes, entries):
-        _task(ctx, shard, kind, fn, params)
-    for node in nodes:
-        ctx.fill_duplicates(node, hashes[node])
+    each_fused_shard(ctx, nodes, lambda entries: _task(ctx, entries, kind, fn, params))
 
 
 def _task(ctx: Lowering, entries: list[tuple[Node, int]], kind: TaskType, fn: Callable, params: tuple) -> None:

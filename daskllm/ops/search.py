@@ -10,6 +10,7 @@ from dask._task_spec import Task, TaskRef
 
 from daskllm.annotations import SEARCH_TASK, TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
+from daskllm.ops.batched import each_fused_shard, each_shard
 from daskllm.plan.ir import Node
 from daskllm.worker.execute import run_search
 from daskllm.worker.indexes import merge_shards
@@ -30,19 +31,12 @@ class IndexRef:
 
 
 def _lower(ctx: Lowering, node: Node) -> None:
-    todo, item_hashes = ctx.todo(node)
-    for shard in ctx.shards(node, todo):
-        _search(ctx, node.params, [(node, i) for i in shard])
-    ctx.fill_duplicates(node, item_hashes)
+    each_shard(ctx, node, lambda entries: _search(ctx, node.params, entries))
 
 
 def _lower_fused(ctx: Lowering, nodes: list[Node]) -> None:
     """Searches the stage pass consolidated (one index, one k): their queries share tasks."""
-    entries, hashes = ctx.group_todo(nodes)
-    for shard in ctx.group_shards(nodes, entries):
-        _search(ctx, nodes[0].params, shard)
-    for node in nodes:
-        ctx.fill_duplicates(node, hashes[node])
+    each_fused_shard(ctx, nodes, lambda entries: _search(ctx, nodes[0].params, entries))
 
 
 def _search(ctx: Lowering, params: dict, entries: list[tuple[Node, int]]) -> None:
