@@ -28,20 +28,20 @@ from __future__ import annotations
 import functools
 import json
 import re
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
-from distributed import Lock, Variable, get_client, worker_client
+from distributed import worker_client
 
 from daskllm import api
 from daskllm.api import batch
+from daskllm.budget import Budget
 from daskllm.engines import SamplingParams
 from daskllm.models import resolve
 from daskllm.prompts import Slot, Text, parse_template, render_value, tokenizer_for
@@ -61,72 +61,6 @@ class RowError(ValueError):
 
 class BudgetExceeded(RowError):
     """A budget would be exceeded: the work was not started."""
-
-
-# --- budgets ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A limit on tokens (prompt + max output, reserved before each call) and/or calls, shared by
-    every partition of every operator given it. Work that would go over is never started.
-
-    On a cluster the count lives on the scheduler (a ``distributed.Lock`` and ``Variable``
-    named after the budget); without one, in this process.
-    """
-
-    tokens: int | None = None
-    calls: int | None = None
-    name: str = field(default_factory=lambda: f"daskllm-budget-{uuid.uuid4().hex[:12]}")
-
-    def __post_init__(self):
-        for what in ("tokens", "calls"):
-            value = getattr(self, what)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"Budget({what}=...) must be a non-negative int, got {value!r}")
-
-    def reserve(self, tokens: int, calls: int = 1) -> bool:
-        """Take ``tokens`` and ``calls`` from the budget if both fit; else take nothing."""
-        with self._lock():
-            used = self.used()
-            if (self.tokens is not None and used["tokens"] + tokens > self.tokens) or \
-                    (self.calls is not None and used["calls"] + calls > self.calls):
-                return False
-            self._store({"tokens": used["tokens"] + tokens, "calls": used["calls"] + calls})
-            return True
-
-    def used(self) -> dict:
-        client = _client()
-        if client is None:
-            return dict(_local_budgets.get(self.name, {"tokens": 0, "calls": 0}))
-        try:
-            return dict(Variable(self.name, client=client).get(timeout=0.5))
-        except TimeoutError:
-            return {"tokens": 0, "calls": 0}
-
-    def _store(self, used: dict) -> None:
-        client = _client()
-        if client is None:
-            _local_budgets[self.name] = used
-        else:
-            Variable(self.name, client=client).set(used)
-
-    def _lock(self):
-        client = _client()
-        if client is None:
-            return _local_lock
-        return Lock(self.name)
-
-
-_local_budgets: dict[str, dict] = {}
-_local_lock = threading.Lock()
-
-
-def _client():
-    try:
-        return get_client()
-    except ValueError:
-        return None
 
 
 # --- operators -----------------------------------------------------------------------------------
@@ -173,17 +107,10 @@ def _call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
         return empty
     distinct = distinct.sort_values(KEY)  # shared prefixes next to each other
     keys = distinct[KEY].tolist()
-    errors: dict[int, str] = {}
     cost = _costs(distinct, op)
-    for i, tokens in enumerate(cost):
-        if tokens is None:
-            continue
-        if isinstance(tokens, str):
-            errors[i] = tokens
-        elif op.budget is not None and not op.budget.reserve(tokens, 1):
-            used = op.budget.used()
-            errors[i] = (f"budget exhausted ({used['tokens']} of {op.budget.tokens} tokens, {used['calls']} of "
-                         f"{op.budget.calls} calls used; this call needs {tokens} tokens)")
+    errors: dict[int, str] = {i: c for i, c in enumerate(cost) if isinstance(c, str)}
+    if op.budget is not None:
+        errors.update(_reserve(op.budget, {i: c for i, c in enumerate(cost) if isinstance(c, int)}))
     todo = [i for i in range(len(keys)) if i not in errors]
     values: list = [None] * len(keys)
     started = time.time()
@@ -208,6 +135,16 @@ def _call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
             requested=requested, started=started)
     return pd.DataFrame({KEY: pd.Series(keys, dtype=STRING), "value": pd.Series(values, dtype=object),
                          "error": pd.Series([errors.get(i) for i in range(len(keys))], dtype=STRING)})
+
+
+def _reserve(budget: Budget, needs: dict[int, int]) -> dict[int, str]:
+    """Reserve the partition's calls (tokens each, by input) in one step; the refused ones' errors."""
+    if not needs:
+        return {}
+    grant = budget.reserve(list(needs.values()))
+    return {i: (f"budget exhausted ({grant.tokens_used} of {budget.tokens} tokens, {grant.calls_used} of "
+                f"{budget.calls} calls used; this call needs {tokens} tokens)")
+            for (i, tokens), ok in zip(needs.items(), grant.granted) if not ok}
 
 
 def _costs(distinct: pd.DataFrame, op: Op) -> list:
@@ -253,7 +190,13 @@ def _node(rows: pd.DataFrame, op: Op, slots: tuple):
 
 def _template(op: Op) -> str:
     """The prompt template a call really uses: the user's, plus the operator's instruction."""
-    return op.template + _SUFFIX.get(op.kind, "").format(fields=", ".join(f for f, _ in op.fields))
+    # Field names are data (JSON keys), never template fields: a name like "{n}" is text.
+    return op.template + _SUFFIX.get(op.kind, "").format(fields=", ".join(_literal(f) for f, _ in op.fields))
+
+
+def _literal(text: str) -> str:
+    """``text`` as template text that stands for itself: its braces are escaped."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 _SUFFIX = {"filter": "\nAnswer yes or no:",
@@ -286,14 +229,24 @@ def _parse(output, op: Op):
 
 
 def _extract_fields(text: str, fields: tuple) -> dict:
-    match = re.search(r"\{.*?\}", text, re.S)
     snippet = text.strip()[:80]
-    if match is None:
+    starts = [m.start() for m in re.finditer(r"\{", text)]
+    if not starts:
         raise ValueError(f"output has no JSON object: {snippet!r}")
-    try:
-        obj = json.loads(match.group(0))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"output does not parse as JSON ({exc}): {snippet!r}") from None
+    # The first complete object: a key or value may hold braces ('{"{n}": 1}'), so the object
+    # ends where JSON says, not at the first "}".
+    first_error, obj = None, None
+    for start in starts:
+        try:
+            obj, _ = _JSON.raw_decode(text, start)
+        except json.JSONDecodeError as exc:
+            first_error = first_error or exc
+            continue
+        if isinstance(obj, dict):
+            break
+        obj = None
+    if obj is None:
+        raise ValueError(f"output does not parse as JSON ({first_error}): {snippet!r}")
     out = {}
     for name, kind in fields:
         if name not in obj:
@@ -305,6 +258,7 @@ def _extract_fields(text: str, fields: tuple) -> dict:
     return out
 
 
+_JSON = json.JSONDecoder()
 _CASTS = {"str": str, "int": int, "float": float, "bool": bool}
 _DTYPES = {"str": STRING, "int": "Int64", "float": "Float64", "bool": "boolean"}
 
@@ -387,10 +341,10 @@ def _summarize(texts: list[str], model: str, sampling: SamplingParams, instructi
     # The instruction first: every summary call of the tree shares it as a cached prefix.
     rows = "\n".join(texts)  # a value, not template text: rows may hold braces
     if chat:
-        p = api.chat([{"role": "user", "content": instruction.replace("{", "{{").replace("}", "}}") + "{rows}"}],
+        p = api.chat([{"role": "user", "content": _literal(instruction) + "{rows}"}],
                          rows=rows)
     else:
-        p = api.prompt(instruction.replace("{", "{{").replace("}", "}}") + "{rows}\nSummary:", rows=rows)
+        p = api.prompt(_literal(instruction) + "{rows}\nSummary:", rows=rows)
     node = api.generate(p, model=model, max_tokens=sampling.max_tokens)
     summary, plan = _compute_nested(node)
     _record("agg", distinct=1, executed=1, failed=0, children=_plan_keys(plan),

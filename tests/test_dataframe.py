@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import dask
 import dask.dataframe as dd
 import numpy as np
@@ -10,7 +13,9 @@ import pyarrow as pa
 import pytest
 
 import daskllm
-from daskllm.dataframe import Budget, BudgetExceeded, RowError, _extract_fields, _yes_no
+from daskllm.dataframe import Budget, BudgetExceeded, Op, RowError, _costs, _extract_fields, _template, _yes_no
+from daskllm.engines import SamplingParams
+from daskllm.prompts import Slot, parse_template
 
 from helpers import cold_start
 
@@ -83,6 +88,48 @@ def test_a_budget_stops_before_going_over_and_keeps_what_finished(client):
     assert out.loc[~done, "a_error"].str.startswith("budget exhausted").all()
 
 
+@contextlib.contextmanager
+def scheduler_errors():
+    """The error records Dask logs in this process meanwhile: the scheduler's (a LocalCluster's
+    scheduler runs here), e.g. "Exception while handling op variable_get"."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger = logging.getLogger("distributed")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_spent_budget_refuses_every_row_at_once_without_scheduler_errors(client):
+    """Budget(tokens=0) over hundreds of rows: each partition asks once and every row fails with
+    the budget's reason; the scheduler logs no error (a Variable.get timing out did, per row)."""
+    rows = dd.from_pandas(pd.DataFrame({"q": [f"Question number {i}?" for i in range(300)]}), npartitions=3)
+    budget = Budget(tokens=0)
+    with scheduler_errors() as errors:
+        out = rows.llm.map(TEMPLATE, max_tokens=4, out="a", on_error="null", budget=budget).compute()
+        assert budget.used() == {"tokens": 0, "calls": 0}
+    assert len(out) == 300 and out["a"].isna().all()
+    assert out["a_error"].str.startswith("budget exhausted (0 of 0 tokens").all()
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_a_budget_that_fits_exactly_n_calls_lets_exactly_n_through_across_partitions(client):
+    questions = [f"Question number {i}?" for i in range(40)]
+    op = Op("generate", "tiny", "map", TEMPLATE, SamplingParams(max_tokens=4), chat=True)
+    cost = _costs(pd.DataFrame({"q": questions}), op)
+    common = max(set(cost), key=cost.count)
+    same = [q for q, c in zip(questions, cost) if c == common]  # rows of one cost: N of them fit N x cost
+    assert len(same) >= 12
+    rows = dd.from_pandas(pd.DataFrame({"q": same}), npartitions=4)
+    for budget in (Budget(calls=5), Budget(tokens=5 * common)):
+        out = rows.llm.map(TEMPLATE, max_tokens=4, out="a", on_error="null", budget=budget).compute()
+        assert out["a"].notna().sum() == 5 and budget.used() == {"tokens": 5 * common, "calls": 5}
+        assert out.loc[out["a"].isna(), "a_error"].str.startswith("budget exhausted").all()
+
+
 def test_on_error_raise_names_the_row_and_null_keeps_the_others(client):
     df = pd.DataFrame({"q": QUESTIONS + ["word " * 5000]}, index=[10, 11, 12, 13, 14])
     ddf = dd.from_pandas(df, npartitions=2)
@@ -116,6 +163,16 @@ def test_extract_parses_json_fields_and_reports_rows_that_do_not(client):
     assert out["module"].isna().all() and out["extract_error"].str.contains("JSON").all()
     with pytest.raises(RowError, match=r"extract: row \d+: output has no JSON object"):
         table().llm.extract("Which module? {q}", {"module": str}, max_tokens=8).compute()
+
+
+def test_extract_takes_field_names_with_braces_as_data(client):
+    assert _extract_fields('Sure: {"{x}": "3", "b": "}"}', (("{x}", "int"), ("b", "str"))) == {"{x}": 3, "b": "}"}
+    op = Op("extract", "tiny", "extract", "Which module? {q}", SamplingParams(max_tokens=8), fields=(("{x}", "int"),))
+    assert "keys {x}:" in _template(op).replace("{{", "{").replace("}}", "}")
+    assert [s.name for s in parse_template(_template(op)) if isinstance(s, Slot)] == ["q"]  # not a field "x"
+    out = table(repeat=1).llm.extract("Which module? {q}", {"{x}": int}, max_tokens=8, on_error="null").compute()
+    assert list(out.columns) == ["q", "n", "{x}", "extract_error"]
+    assert out["{x}"].isna().all() and out["extract_error"].str.contains("JSON").all()  # tiny writes no JSON
 
 
 def test_embed_and_search_columns(client):
