@@ -6,7 +6,11 @@
 
 A builder given a list (for a text-valued argument) builds a batch of calls from one
 template; nodes, ``dask.delayed`` values and plain values are all accepted as inputs.
-Bad input fails here, at build time, with an error naming the node or field.
+Bad input fails here, at build time, with an error naming the node or field. A call that
+cannot run (a prompt longer than the model holds, text that is not valid Unicode) fails
+alone when it runs: ``on_error="raise"`` (default) raises a
+:class:`~daskllm.worker.failures.CallError` naming the builder, the item's index in the
+batch and why; ``on_error="null"`` makes its value None and keeps the others.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from daskllm.runtime import submit
 from daskllm.runtime.collection import LazyNode, compute
 from daskllm.streaming.split import delimited, splitter, words
 from daskllm.streaming.stages import ANCESTRY, PmapSpec, Stage
+from daskllm.worker.failures import ON_ERROR
 
 
 class batch(list):  # noqa: N801 - reads as a marker: daskllm.batch([...])
@@ -74,6 +79,14 @@ def default_model(model: str | None, kind: str = "llm") -> str:
     return model
 
 
+def _on_error(op: str, on_error: str) -> dict:
+    """The params entry for ``on_error``: none for the default, so a default call's hash (CSE,
+    the result cache) is what it always was; a null call never merges with a raising one."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"{op}: on_error must be 'raise' or 'null', got {on_error!r}")
+    return {} if on_error == "raise" else {"on_error": on_error}
+
+
 def _prompt_inputs(op: str, p: Prompt, model: str) -> dict[str, Node]:
     for seg in p.segments:
         if isinstance(seg, Tokens) and seg.model != model and tokenizer_fingerprint(seg.model) != \
@@ -85,8 +98,12 @@ def _prompt_inputs(op: str, p: Prompt, model: str) -> dict[str, Node]:
 
 def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, stop=(), seed: int | None = None, ignore_eos: bool = False,
-             cache: bool | None = None, split=None, allowed_token_ids=()) -> Node:
+             cache: bool | None = None, split=None, allowed_token_ids=(), on_error: str = "raise") -> Node:
     """An LLM call (or a batch of them). Its value is the generated text (a list for a batch).
+
+    ``on_error``: what a call that cannot run (its prompt longer than the model holds, its text
+    not valid Unicode, its input null) does: "raise" (default) raises a ``CallError`` naming
+    the item's index in the batch and why; "null" makes that item None and keeps the others.
 
     With ``split`` ("lines", "json", :func:`delimited` or a parser ``fn(text, final)``) it
     is a stream: its value is the list of items the text splits into, and consumers
@@ -94,8 +111,10 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
     soon as it is decoded. A prompt slot filled by a stream makes one call per item.
     """
     p = as_prompt(prompt_)
+    errors = _on_error(GENERATE.name, on_error)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                   ignore_eos=ignore_eos, cache=cache, split=split, allowed_token_ids=tuple(allowed_token_ids))
+                   ignore_eos=ignore_eos, cache=cache, split=split, allowed_token_ids=tuple(allowed_token_ids),
+                   on_error=on_error)
     lifted = _lift_prompt("generate", p, dict(model=model, **options))
     if lifted is not None:
         return lifted
@@ -107,8 +126,11 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
                          f"cached; pass seed= or cache=False")
     inputs = _prompt_inputs(GENERATE.name, p, model)
     params = {"model": model, "sampling": sampling, "cache": cache is not False and sampling.deterministic,
-              "nonce": not sampling.deterministic}
+              "nonce": not sampling.deterministic, **errors}
     if split is not None:
+        if on_error != "raise":
+            raise ValueError(f"generate({model!r}): on_error={on_error!r} is not supported with split "
+                             f"(a stream's errors are its items': see pmap's errors=)")
         params["split"] = splitter(split)
     return LazyNode(GENERATE.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width(GENERATE.name, inputs),
                 params=params, nonce=not sampling.deterministic)
@@ -126,38 +148,47 @@ def prefill(prefix, model: str | None = None) -> Node:
                 params={"model": model})
 
 
-def embed(text_or_texts, model: str | None = None) -> Node:
-    """Embedding vector(s) of text: one vector for a str, one per item for a list or batch."""
+def embed(text_or_texts, model: str | None = None, *, on_error: str = "raise") -> Node:
+    """Embedding vector(s) of text: one vector for a str, one per item for a list or batch.
+
+    ``on_error``: as for :func:`generate` (a text that is not valid Unicode, a null input)."""
+    errors = _on_error(EMBED.name, on_error)
     if is_stream(text_or_texts):
-        return _lift(embed, "text_or_texts", text_or_texts, {}, model=model)
+        return _lift(embed, "text_or_texts", text_or_texts, {}, model=model, on_error=on_error)
     model = default_model(model, "embed")
     inputs = {"text": _input(text_or_texts)}
-    return LazyNode(EMBED.name, inputs=inputs, width=_width(EMBED.name, inputs), params={"model": model})
+    return LazyNode(EMBED.name, inputs=inputs, width=_width(EMBED.name, inputs),
+                    params={"model": model, **errors})
 
 
-def search(index, query_or_vector, k: int = 5) -> Node:
-    """The ``k`` nearest documents (a list of Hits) of a query text or vector in a sharded index."""
+def search(index, query_or_vector, k: int = 5, *, on_error: str = "raise") -> Node:
+    """The ``k`` nearest documents (a list of Hits) of a query text or vector in a sharded index.
+
+    ``on_error``: as for :func:`generate`; the embedding of query texts is made with it too."""
+    errors = _on_error(SEARCH.name, on_error)
     if not isinstance(index, ShardedIndex):
         raise TypeError(f"search: index must be a ShardedIndex, got {type(index).__name__}")
     if not isinstance(k, int) or k <= 0:
         raise ValueError(f"search({index.name!r}): k must be a positive int, got {k!r}")
     if is_stream(query_or_vector):
-        return _lift(search, "query_or_vector", query_or_vector, {}, index=index.detached(), k=k)
+        return _lift(search, "query_or_vector", query_or_vector, {}, index=index.detached(), k=k, on_error=on_error)
+    params = {"index": IndexRef.of(index), "k": k, **errors}
     if isinstance(query_or_vector, np.ndarray):
         vectors = query_or_vector.astype(np.float32)
         query = _input(batch(list(vectors)) if vectors.ndim == 2 else vectors)
     else:
         source = _input(query_or_vector)
-        query = source if source.op == EMBED.name else embed(source, model=index.embedder)
-    return LazyNode(SEARCH.name, inputs={"query": query}, width=query.width,
-                params={"index": IndexRef.of(index), "k": k})
+        query = source if source.op == EMBED.name else embed(source, model=index.embedder, on_error=on_error)
+    return LazyNode(SEARCH.name, inputs={"query": query}, width=query.width, params=params)
 
 
-def rerank(query, docs, k: int | None = None, model: str | None = None) -> Node:
+def rerank(query, docs, k: int | None = None, model: str | None = None, *, on_error: str = "raise") -> Node:
     """The ``k`` documents most relevant to ``query``, best first (a list of str per call).
 
     ``docs`` is one call's documents: a list of str, or a node producing them (e.g. a search).
+    ``on_error``: as for :func:`generate`.
     """
+    errors = _on_error(RERANK.name, on_error)
     streams = [name for name, v in (("query", query), ("docs", docs)) if is_stream(v)]
     if len(streams) > 1:
         raise ValueError("rerank: query and docs are both streams; a call draws items from one (collect() the other)")
@@ -165,10 +196,11 @@ def rerank(query, docs, k: int | None = None, model: str | None = None) -> Node:
         name = streams[0]
         other = "docs" if name == "query" else "query"
         return _lift(rerank, name, query if name == "query" else docs, {other: docs if name == "query" else query},
-                     k=k, model=model)
+                     k=k, model=model, on_error=on_error)
     model = default_model(model, "embed")
     inputs = {"query": _input(query), "docs": _input(docs, lists_are_batches=False)}
-    return LazyNode(RERANK.name, inputs=inputs, width=_width(RERANK.name, inputs), params={"model": model, "k": k})
+    return LazyNode(RERANK.name, inputs=inputs, width=_width(RERANK.name, inputs),
+                    params={"model": model, "k": k, **errors})
 
 
 def gather(node: Node) -> Node:

@@ -199,14 +199,30 @@ def render_chat(p: Prompt, tokenizer) -> tuple[Segment, ...]:
 _CONTINUATIONS = ("a", " a", "A", " A", "1", " 1", ".", ",", "\n", " ", "\t", "'", '"', "é")
 
 
+class InvalidText(ValueError):
+    """Text no tokenizer can take: it is not valid Unicode (e.g. a lone surrogate, ``"\\ud800"``)."""
+
+
+def check_text(text: str) -> str:
+    """``text`` if it can be encoded (as UTF-8, as tokenizers need); else an :class:`InvalidText`
+    naming the bad character and where it is (a tokenizer's own error says neither)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidText(f"text is not valid Unicode: {text[exc.start:exc.end]!r} at position {exc.start} "
+                          f"({exc.reason})") from None
+    return text
+
+
 def encode_parts(parts, special: bool, tokenize) -> tuple[int, ...]:
     """A prompt's ids from its parts: text (str) runs tokenized whole, token-id tuples as they are.
 
     ``tokenize(text, special)`` is the model's tokenizer; ``special`` adds its special tokens
     (e.g. BOS) as ``tokenizer(text)`` does, which a chat template's rendered text already has.
+    Text that cannot be encoded is an :class:`InvalidText`.
     """
     if all(isinstance(p, str) for p in parts):
-        return tuple(tokenize("".join(parts), special))
+        return tuple(tokenize(check_text("".join(parts)), special))
     ids = list(tokenize("", True)) if special else []
     run: list[str] = []
     for part in parts:
@@ -214,11 +230,11 @@ def encode_parts(parts, special: bool, tokenize) -> tuple[int, ...]:
             run.append(part)
             continue
         if run:
-            ids += tokenize("".join(run), False)
+            ids += tokenize(check_text("".join(run)), False)
             run = []
         ids += part
     if run:
-        ids += tokenize("".join(run), False)
+        ids += tokenize(check_text("".join(run)), False)
     return tuple(ids)
 
 

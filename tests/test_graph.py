@@ -294,6 +294,50 @@ def test_embed_search_rerank_nodes(client):
         index.drop()
 
 
+def test_a_bad_item_fails_alone_named_by_its_index_in_the_batch(client):
+    """on_error="raise" names the item's index in the user's list (not its place in a task) and
+    why; on_error="null" makes that item None and returns the others as they would be alone."""
+    long, bad = "word " * 5000, "\ud800 lone surrogate"
+    items = QUESTIONS[:6] + [long] + QUESTIONS[6:]
+
+    def answers(questions, **options):
+        return daskllm.generate(daskllm.prompt("Q: {q}\nA:", q=questions), max_tokens=4, **options)
+
+    for settings in ({}, {"granularity": "query"}):  # shards of several calls, and one task per call
+        with pytest.raises(daskllm.CallError, match=r"^generate item 6: prompt has 50\d\d tokens; model 'tiny'"):
+            daskllm.compute(answers(items), **settings)
+    alone = answers(QUESTIONS).compute()
+    assert answers(items, on_error="null").compute() == alone[:6] + [None] + alone[6:]
+    with pytest.raises(daskllm.CallError, match=r"^generate item 2: text is not valid Unicode: '\\ud800'"):
+        answers(QUESTIONS[:2] + [bad]).compute()
+
+    vectors = daskllm.embed(["csv", bad, "json"], on_error="null").compute()
+    assert vectors[1] is None and np.allclose(np.stack([vectors[0], vectors[2]]),
+                                              np.stack(daskllm.embed(["csv", "json"]).compute()))
+    with pytest.raises(daskllm.CallError, match=r"^embed item 1: text is not valid Unicode"):
+        daskllm.embed(["csv", bad]).compute()
+
+    # A null item's consumers: null too, or an error naming their own item.
+    first = answers(items, on_error="null")
+    assert [v is None for v in daskllm.embed(first, on_error="null").compute()] == [i == 6 for i in range(9)]
+    with pytest.raises(daskllm.CallError, match=r"^embed item 6: its input is null \(an upstream call failed\)"):
+        daskllm.embed(first).compute()
+
+    docs = ["json.load reads JSON from a file", "csv.reader reads CSV rows", "re.compile builds a regex"]
+    index = ShardedIndex.from_texts(client, "graph-errors", docs)
+    try:
+        hits = daskllm.search(index, ["read a JSON file", bad, "regular expression"], k=2, on_error="null").compute()
+        assert hits[1] is None and [h[0].text for h in (hits[0], hits[2])] == [docs[0], docs[2]]
+        with pytest.raises(daskllm.CallError, match=r"^embed item 1: text is not valid Unicode"):
+            daskllm.search(index, ["read a JSON file", bad], k=2).compute()
+    finally:
+        index.drop()
+    best = daskllm.rerank(["read a JSON file", bad], daskllm.batch([docs, docs]), k=1, on_error="null").compute()
+    assert best == [[docs[0]], None]
+    with pytest.raises(daskllm.CallError, match=r"^rerank item 1: text is not valid Unicode"):
+        daskllm.rerank(["read a JSON file", bad], daskllm.batch([docs, docs]), k=1).compute()
+
+
 def test_explain_prints_the_plan(capsys):
     node = chain_and_fan(QUESTIONS[:4] + QUESTIONS[:1])[2]
     report = daskllm.explain(node)
@@ -319,6 +363,10 @@ def test_bad_input_fails_at_build_time_naming_the_problem():
                       {"role": "user", "content": daskllm.prompt("Q: ", daskllm.tokens([5, 6], model="tiny"))}])
     with pytest.raises(ValueError, match=r"prompt field \{q\} has no value"):
         daskllm.chat([{"role": "user", "content": "Q: {q}"}])
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'null', got 'ignore'"):
+        daskllm.embed(["a"], on_error="ignore")
+    with pytest.raises(ValueError, match="not supported with split"):
+        daskllm.generate("x", split="lines", on_error="null")
 
     class Cyclic:
         name = "make-a-cycle"

@@ -162,8 +162,10 @@ class Engine(Protocol):
                on_text: TokenCallback | None = None) -> Future[Completion]:
         """Queue a generation; ``on_text`` receives text deltas as they are decoded."""
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Completion]:
-        """Generate for many prompts at once (they are batched together)."""
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
+                 return_exceptions: bool = False) -> list[Completion]:
+        """Generate for many prompts at once (they are batched together). A bad prompt fails alone:
+        with ``return_exceptions`` its slot holds its error, else it is raised once the rest finish."""
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one generation as they are decoded."""
@@ -243,7 +245,9 @@ class BatchingEngine:
             try:
                 prepared.append(self._prepare(p, params))
             except RequestError as exc:
-                failed[i] = failed_future(RequestError(f"prompt {i}: {exc}"))
+                error = RequestError(f"prompt {i}: {exc}")
+                error.__cause__ = exc  # the reason alone, for a caller that names its prompts otherwise
+                failed[i] = failed_future(error)
         started = iter(self._start_all(prepared))
         return [failed[i] if i in failed else next(started) for i in range(len(prompts))]
 

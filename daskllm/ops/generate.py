@@ -17,6 +17,7 @@ from daskllm.annotations import DECODE_TASK
 from daskllm.ops import pmap as pmap_op
 from daskllm.ops import prefill as prefill_op
 from daskllm.ops.base import Lowering, TaskType
+from daskllm.ops.batched import on_error, origins
 from daskllm.plan.context import decision
 from daskllm.plan.ir import Node, item_of
 from daskllm.worker.execute import run_decode, run_decode_split
@@ -77,7 +78,7 @@ def _decode(ctx: Lowering, params: dict, entries: list[tuple[Node, int]], number
         pre_keys.add(prefill_op.partials(ctx, model, partial))
     deps += [TaskRef(k) for k in sorted(pre_keys)]
     if split is None:
-        task = ctx.engine_task(key, run_decode, key, model, sampling, resolved, *deps)
+        task = ctx.engine_task(key, run_decode, key, model, sampling, origins(entries), resolved, *deps)
     else:
         channels = pmap_op.stream_channels(ctx, key, [consumers.get(ctx.call_hashes(node)[i], []) for node, i in entries])
         task = ctx.engine_task(key, run_decode_split, key, model, sampling, split, channels, resolved, *deps)
@@ -103,11 +104,11 @@ def _stream_consumers(ctx: Lowering, node: Node, item_hashes: list[str]) -> dict
 
 
 def _group_key(graph, node: Node) -> tuple:
-    """Model, sampling, split and the shared prefixes the calls wait for (so a shared task's
-    calls find one prefix on one worker)."""
+    """Model, sampling, split, on_error and the shared prefixes the calls wait for (so a shared
+    task's calls find one prefix on one worker)."""
     shared = frozenset(p for p in decision(graph, node).prefills or () if p is not None and not prefill_op.is_partial(p))
     split = node.params.get("split")
-    return node.params["model"], node.params["sampling"], split and split.fingerprint, shared
+    return node.params["model"], node.params["sampling"], split and split.fingerprint, on_error(node), shared
 
 
 GENERATE = TaskType("generate", _lower, engine="llm", calls=True, prompted=True, cacheable=True, is_stream=is_split,

@@ -10,10 +10,9 @@ from dask._task_spec import Task, TaskRef
 
 from daskllm.annotations import SEARCH_TASK, TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
-from daskllm.ops.batched import each_fused_shard, each_shard
+from daskllm.ops.batched import each_fused_shard, each_shard, on_error, origins
 from daskllm.plan.ir import Node
-from daskllm.worker.execute import run_search
-from daskllm.worker.indexes import merge_shards
+from daskllm.worker.execute import merge_search, run_search
 
 
 class IndexRef:
@@ -51,12 +50,12 @@ def _search(ctx: Lowering, params: dict, entries: list[tuple[Node, int]]) -> Non
                 TaskAnnotation(op=SEARCH.name, index=index.name, shard=len(entries), index_shard=s), pin=worker)
         shard_keys.append(key)
     key = f"{SEARCH.name}-{token}"
-    ctx.add("merge", key, Task(key, merge_shards, k, *[TaskRef(sk) for sk in shard_keys]))
+    ctx.add("merge", key, Task(key, merge_search, origins(entries), k, *[TaskRef(sk) for sk in shard_keys]))
     ctx.place_calls(entries, key)
 
 
 def _group_key(graph, node: Node) -> tuple:
-    return node.params["index"].fingerprint, node.params["k"]
+    return node.params["index"].fingerprint, node.params["k"], on_error(node)
 
 
 SEARCH = TaskType(SEARCH_TASK, _lower, inputs=("query",), calls=True, cacheable=True, lower_fused=_lower_fused,

@@ -35,7 +35,7 @@ def stable_hash(*parts) -> str:
 def _encode(value) -> bytes:
     kind = type(value)
     if kind is str:
-        return b"s" + value.encode()
+        return b"s" + value.encode("utf-8", "surrogatepass")  # any str hashes; invalid text fails as a call
     if kind is tuple or kind is list:
         # Token ids, the common case, are encoded in one go. array("q") takes exactly what has
         # __index__, so a sequence that begins otherwise (a prompt's text parts) skips the

@@ -18,7 +18,7 @@ import networkx as nx
 from daskllm.ops import task_type
 from daskllm.ops.values import input_part
 from daskllm.plan.ir import Dyn, Node, stable_hash
-from daskllm.prompts import Prompt, PromptTokenizer, Text, Tokens, render_chat, render_value, tokenizer_for
+from daskllm.prompts import InvalidText, Prompt, PromptTokenizer, Text, Tokens, render_chat, render_value, tokenizer_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,8 @@ class PromptCall:
 
     ``parts``: ``(ids,)`` when the whole prompt is known; else text (str), :class:`Dyn` and
     token-id tuples, joined and tokenized whole once the Dyn values are known (on the worker).
+    A prompt whose text cannot be tokenized keeps its text parts and knows no ids: it fails as
+    its own call when its task tokenizes it.
     ``special``: the tokenizer adds its special tokens (a plain prompt; a rendered chat
     template carries its own). ``known``: the ids certain to begin the prompt (all of them
     when it is static): what prefix sharing and placement see before it runs.
@@ -108,10 +110,14 @@ def _prompt_call(tok: PromptTokenizer, node: Node, segments, special: bool, i: i
                 parts[-1] += value
                 continue
         parts.append(value)
-    if dynamic is None:
-        ids = tok.encode_parts(parts, special)
-        return PromptCall((ids,), special, ids)
-    return PromptCall(tuple(parts), special, tok.stable_prefix(tuple(parts[:dynamic]), special))
+    try:
+        if dynamic is None:
+            ids = tok.encode_parts(parts, special)
+            return PromptCall((ids,), special, ids)
+        return PromptCall(tuple(parts), special, tok.stable_prefix(tuple(parts[:dynamic]), special))
+    except InvalidText:
+        # Kept as text: the call fails alone, on the worker, where its node's on_error decides.
+        return PromptCall(tuple(parts), special, ())
 
 
 def _chat_prompt(node: Node) -> Prompt:

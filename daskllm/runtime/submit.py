@@ -127,4 +127,5 @@ def remember_calls(calls: tuple[list[str], bool], value) -> None:
         return
     item_hashes, batched = calls
     for h, v in zip(item_hashes, value if batched else [value]):
-        RESULTS.put(h, v)
+        if v is not None:  # a call that failed under on_error="null": nothing to remember
+            RESULTS.put(h, v)

@@ -23,14 +23,15 @@ from distributed.worker import thread_state
 
 from daskllm.engines import PrefillHandle, SamplingParams
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
-from daskllm.prompts import encode_parts, render_value
+from daskllm.prompts import check_text, encode_parts, render_value
 from daskllm.streaming.split import Splitter
 from daskllm.streaming.stages import PmapSpec
 from daskllm.streaming.wire import Source
 from daskllm.worker import calls
 from daskllm.worker.consumer import Consumer
+from daskllm.worker.failures import NullInput, Origins, attempt, failed, merge, ok, raise_others
 from daskllm.worker.host import get_engine, host, in_worker
-from daskllm.worker.indexes import search_shard
+from daskllm.worker.indexes import merge_shards, search_shard
 from daskllm.worker.streams import StreamWriter, stream_decode
 from daskllm.worker.usage import TaskUsage
 
@@ -48,13 +49,22 @@ def _value(part, deps):
     return part
 
 
+def _input(part, deps):
+    """A call's input value; a null one from upstream (a call that failed under
+    ``on_error="null"``) fails this call too."""
+    value = _value(part, deps)
+    if value is None and isinstance(part, Ref):
+        raise NullInput()
+    return value
+
+
 def _tokens(call, deps, engine) -> list[int]:
     """A prompt's ids: its upstream values rendered into its text, tokenized whole (as the
     client tokenized static prompts); ``call`` is ``(special, parts)``."""
     special, parts = call
     if len(parts) == 1 and isinstance(parts[0], tuple):  # tokenized on the client
         return list(parts[0])
-    text = [render_value(_value(p, deps)) if isinstance(p, Ref) else p for p in parts]
+    text = [render_value(_input(p, deps)) if isinstance(p, Ref) else p for p in parts]
     return list(encode_parts(text, special, lambda t, s: engine.tokenize(t, add_special_tokens=s)))
 
 
@@ -90,13 +100,16 @@ def prompt_blocks(token_ids) -> tuple[list[int], int, int]:
     return full, hash_block(full[-1] if full else ROOT_HASH, tail) if tail else 0, len(tail)
 
 
-def run_decode(task_key: str, model: str, sampling: SamplingParams, items: list, *deps) -> list[str]:
-    """Generate for a shard of prompts together: they join the engine's batch in one step."""
+def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Origins, items: list,
+               *deps) -> list[str | None]:
+    """Generate for a shard of prompts together: they join the engine's batch in one step. A
+    prompt that cannot run fails alone, as ``origins`` says."""
     engine = get_engine(model)
-    prompts = [_tokens(call, deps, engine) for call in items]
-    completions = engine.generate(prompts, sampling)
-    _record_decode(task_key, model, completions)
-    return [c.text for c in completions]
+    prompts = attempt(lambda call: _tokens(call, deps, engine), items)
+    runnable = ok(prompts)
+    completions = raise_others(engine.generate(runnable, sampling, return_exceptions=True) if runnable else [])
+    _record_decode(task_key, model, ok(completions))
+    return origins.settle(merge(prompts, [c if failed(c) else c.text for c in completions]))
 
 
 def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split: Splitter, channels: list, items: list,
@@ -160,29 +173,46 @@ def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillH
     return handles
 
 
-def run_embed(task_key: str, model: str, items: list, *deps) -> list[np.ndarray]:
-    texts = [render_value(_value(part, deps)) for part in items]
-    vectors = calls.embed(model, texts)
-    _record(task_key, EMBED_TASK, calls=len(texts))
-    return list(vectors)
+def run_embed(task_key: str, model: str, origins: Origins, items: list, *deps) -> list[np.ndarray | None]:
+    texts = attempt(lambda part: check_text(render_value(_input(part, deps))), items)
+    runnable = ok(texts)
+    vectors = list(calls.embed(model, runnable)) if runnable else []
+    _record(task_key, EMBED_TASK, calls=len(runnable))
+    return origins.settle(merge(texts, vectors))
 
 
 def run_search(task_key: str, index_name: str, shard: int, k: int, items: list, *deps) -> list:
-    vectors = np.stack([np.asarray(_value(part, deps), dtype=np.float32) for part in items])
-    hits = search_shard(index_name, shard, vectors, k)
-    _record(task_key, SEARCH_TASK, calls=len(items))
-    return hits
+    """One index shard's hits per query; a query that cannot be searched keeps its failure
+    in its slot, for :func:`merge_search` to settle."""
+    vectors = attempt(lambda part: np.asarray(_input(part, deps), dtype=np.float32), items)
+    runnable = ok(vectors)
+    hits = search_shard(index_name, shard, np.stack(runnable), k) if runnable else []
+    _record(task_key, SEARCH_TASK, calls=len(runnable))
+    return merge(vectors, hits)
 
 
-def run_rerank(task_key: str, model: str, k: int | None, items: list, *deps) -> list[list[str]]:
+def merge_search(origins: Origins, k: int, *per_shard: list) -> list:
+    """Each query's top ``k`` over every shard's hits (the shards saw the same queries, and
+    the same ones failed)."""
+    first = per_shard[0]
+    runnable = [j for j, hits in enumerate(first) if not failed(hits)]
+    merged = merge_shards(k, *[[shard[j] for j in runnable] for shard in per_shard])
+    return origins.settle(merge(first, merged))
+
+
+def run_rerank(task_key: str, model: str, k: int | None, origins: Origins, items: list,
+               *deps) -> list[list[str] | None]:
     engine = get_engine(model, "rerank")
-    out = []
-    for query_part, docs_part in items:
-        query = render_value(_value(query_part, deps))
-        docs = [render_value(d) for d in _value(docs_part, deps)]
-        out.append([docs[i] for i, _ in engine.rerank(query, docs, k)])
-    _record(task_key, RERANK_TASK, calls=len(items), pairs=sum(len(_value(d, deps)) for _, d in items))
-    return out
+
+    def one(item) -> tuple[list[str], int]:
+        query_part, docs_part = item
+        query = check_text(render_value(_input(query_part, deps)))
+        docs = [check_text(render_value(d)) for d in _input(docs_part, deps)]
+        return [docs[i] for i, _ in engine.rerank(query, docs, k)], len(docs)
+
+    outcomes = attempt(one, items)
+    _record(task_key, RERANK_TASK, calls=len(ok(outcomes)), pairs=sum(n for _, n in ok(outcomes)))
+    return origins.settle([o if failed(o) else o[0] for o in outcomes])
 
 
 def assemble(spec: list, *deps):
