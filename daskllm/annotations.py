@@ -26,7 +26,9 @@ class TaskAnnotation:
     engine kind that runs it (llm, embed, rerank), or None for a task pinned by data (an
     index shard); ``prefix``: the hex block-hash chain of the prompt prefix the task's calls
     share; ``prompt_tokens``/``max_tokens``: its work estimate; ``shard``: calls in the task.
-    It travels as a plain dict (msgpack) in the graph's ``daskllm`` annotation.
+    It travels as a plain dict (msgpack) in the graph's ``daskllm`` annotation. Only ``op`` is
+    required (and ``model`` with an ``engine``): a field left out takes its default, so a task
+    without an estimate is placed as no work, not read as malformed.
     """
 
     op: str

@@ -189,6 +189,21 @@ async def test_a_malformed_annotation_falls_back_to_plain_dask_and_is_logged(c, 
 
 
 @placement_cluster()
+async def test_an_annotation_without_a_work_estimate_is_placed_not_a_fault(c, s, a, b):
+    """Only op (and model, with an engine) is required: a task without prompt_tokens, max_tokens,
+    prefix or shard is placed by model and load, its estimate counting as no work."""
+    plugin = plug(s)
+    await advertise(a)
+    await advertise(b)
+    with dask.annotate(daskllm={"op": "decode", "engine": "llm", "model": "tiny"}):
+        value = dask.delayed(_run, pure=False)(dask_key_name="bare")
+    _ = await run(c, value)
+    assert pinned(s, "bare") in (a.address, b.address)
+    assert plugin.decisions == {"balance": 1}  # no fallback, no fault
+    assert not [e for e in await events(c) if e["action"] in ("error", "malformed-annotation")]
+
+
+@placement_cluster()
 async def test_a_fault_in_the_plugin_never_reaches_the_scheduler(c, s, a, b):
     plugin = plug(s)
     await advertise(a)
