@@ -11,6 +11,7 @@ import click
 import pandas as pd
 
 from daskllm import demo as demo_job
+from daskllm.cluster import DASHBOARD_ADDRESS
 from daskllm.datasets import catalog, load
 from daskllm.models import cache_dir, list_recipes, resolve
 
@@ -29,7 +30,9 @@ def main():
 @click.option("--max-tokens", default=48, show_default=True, help="Most tokens generated per answer.")
 @click.option("--rows", type=click.IntRange(1), default=None,
               help="Rows of the table job (default: every row of its 12 modules, about 400).")
-@click.option("--dashboard-address", default=":8787", show_default=True)
+@click.option("--dashboard-address", default=DASHBOARD_ADDRESS, show_default=True,
+              help="Where the dashboard listens; it has no authentication, so only this machine by default "
+                   "(0.0.0.0:8787: every interface, see docs/dashboard.md).")
 @click.option("--keep-alive", default=0.0, help="Seconds to keep the cluster (and dashboard) up afterwards.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the summary as JSON.")
 def demo(model, n_workers, n_questions, max_tokens, rows, dashboard_address, keep_alive, json_path):

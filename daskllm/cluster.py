@@ -27,6 +27,10 @@ from daskllm.worker import EngineHost, default_num_threads
 
 logger = logging.getLogger(__name__)
 
+# The dashboard (Dask's pages and ours) has no authentication: by default only this machine
+# reaches it. Dask's own default, ":8787", listens on every interface.
+DASHBOARD_ADDRESS = "127.0.0.1:8787"
+
 
 def discover_gpus() -> list[str]:
     """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else every device NVML sees."""
@@ -55,7 +59,9 @@ class LocalLLMCluster(LocalCluster):
     the MiniLM embedder and a bi-encoder reranker sharing its weights. The scheduler runs the
     :class:`~daskllm.placement.PlacementPlugin` with ``placement`` (a policy name; default
     from ``daskllm.placement.policy``), the :class:`~daskllm.streaming.StreamJanitor` and the
-dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model is
+    dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`); the dashboard listens on
+    ``127.0.0.1:8787`` unless ``dashboard_address`` says otherwise (it has no authentication), and
+    the scheduler on 127.0.0.1 unless ``host`` does (LocalCluster's default). Every model is
     resolved (and built, for a recipe, once) before any worker starts, so a bad name fails
     here with a clear error rather than in every worker.
 
@@ -95,6 +101,7 @@ dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`). Every model 
         if not self.gpus:
             defaults.setdefault("num_threads", default_num_threads(n_workers))
         kwargs.setdefault("processes", True)
+        kwargs.setdefault("dashboard_address", DASHBOARD_ADDRESS)  # an address given (or None) is used as is
         # Engine threads compute; Dask threads mostly wait on the engine, so a few per worker
         # let concurrent tasks feed one batch.
         # Start with no workers, then scale: LocalCluster's own start-up bypasses

@@ -26,7 +26,7 @@ import dask.dataframe as dd
 from distributed import Client
 
 from daskllm import api, config, models
-from daskllm.cluster import LocalLLMCluster
+from daskllm.cluster import DASHBOARD_ADDRESS, LocalLLMCluster
 from daskllm.datasets import HOWTO, load, names_module
 from daskllm.engines import SamplingParams
 from daskllm.retrieval import ShardedIndex
@@ -187,7 +187,8 @@ def _plain_dask_map(part, model, max_tokens):
 
 
 def run(model: str | None = None, n_workers: int = 2, n_questions: int = 12, max_tokens: int = 48,
-        rows: int | None = None, dashboard_address: str = ":8787", keep_alive: float = 0.0, echo=print) -> dict:
+        rows: int | None = None, dashboard_address: str = DASHBOARD_ADDRESS, keep_alive: float = 0.0,
+        echo=print) -> dict:
     model = model or config.get("model")
     recipe = models.RECIPES.get(model)
     if isinstance(recipe, models.ConvertedRecipe) and not any(r.name == model and r.path for r in models.list_recipes()):

@@ -4,6 +4,9 @@ Adds :class:`daskllm.placement.PlacementPlugin`, which places LLM tasks with mod
 and load locality (policies: cache_aware, round_robin, least_loaded, prefix_affinity, off),
 and :class:`daskllm.streaming.StreamJanitor`, which deletes the queues of finished streams,
 and the dashboard's LLM page (``/llm``), ``/llm/metrics.json`` and ``daskllm_*`` Prometheus lines.
+The dashboard has no authentication and ``dask scheduler`` serves it on every interface by
+default: pass ``--dashboard-address 127.0.0.1:8787`` unless that network is trusted
+(docs/dashboard.md).
 """
 
 import click

@@ -2,19 +2,23 @@
 
 :func:`install` adds them to a running scheduler (the scheduler preload and
 ``LocalLLMCluster`` call it): the Bokeh page joins the dashboard (and its menu), the JSON
-route and the Prometheus collector read the same numbers. Every route is read-only.
+route and the Prometheus collector read the same numbers, from one snapshot shared by every
+request and rebuilt at a bounded rate (:mod:`daskllm.dashboard.cache`). Every route is
+read-only, answers GET and HEAD, and matches its exact path only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 from distributed import SchedulerPlugin
 from distributed.http.utils import RequestHandler
 from tornado.ioloop import IOLoop
 
-from daskllm.dashboard.metrics import PrometheusCollector, snapshot
+from daskllm.dashboard.cache import snapshot
+from daskllm.dashboard.prometheus import PrometheusCollector
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +29,14 @@ class MetricsJSON(RequestHandler):
     def get(self):
         self.set_header("Content-Type", "application/json")
         self.write(json.dumps(snapshot(self.server), default=str))
+
+    head = get  # Tornado sends a HEAD response's headers (with the length) without its body
+
+
+def route(path: str) -> str:
+    """A Tornado pattern matching ``path`` exactly (Tornado anchors only the end; the dots must
+    not match any character)."""
+    return re.escape(path) + "$"
 
 
 _collector = None
@@ -37,7 +49,7 @@ def install(scheduler) -> bool:
         application = getattr(scheduler, "http_application", None)
         if application is None:
             return False
-        application.add_handlers(r".*", [(r"/llm/metrics.json", MetricsJSON, {"dask_server": scheduler})])
+        application.add_handlers(r".*", [(route("/llm/metrics.json"), MetricsJSON, {"dask_server": scheduler})])
         _install_prometheus(scheduler)
         _install_page(scheduler, application)
         return True
@@ -63,7 +75,7 @@ def _install_page(scheduler, application) -> None:
         from distributed.dashboard.core import BokehApplication
         from distributed.dashboard.scheduler import template_variables
 
-        from daskllm.dashboard.page import llm_doc
+        from daskllm.dashboard.page import llm_doc, serve_pages
     except ImportError:
         return
 
@@ -71,6 +83,7 @@ def _install_page(scheduler, application) -> None:
     if "llm" not in variables["pages"]:
         variables["pages"].append("llm")  # the dashboard's menu
     app = BokehApplication({"/llm": llm_doc}, scheduler, prefix="/", template_variables=variables)
+    serve_pages(app, scheduler)
     application.add_application(app)
     app.initialize(IOLoop.current())
 
@@ -84,4 +97,4 @@ class DashboardPlugin(SchedulerPlugin):
         install(scheduler)
 
 
-__all__ = ["DashboardPlugin", "MetricsJSON", "install"]
+__all__ = ["DashboardPlugin", "MetricsJSON", "install", "route"]

@@ -3,8 +3,9 @@
 Workers send their engines' counters and gauges (``ws.metrics["daskllm"]``, see
 :mod:`daskllm.worker`) with every heartbeat. :class:`MetricsHistory` turns successive
 snapshots into rates (prefill and decode tokens/s) and keeps a short time series for the
-dashboard page; :func:`snapshot` is what ``/llm/metrics.json`` returns and
-:class:`PrometheusCollector` exports the same counters on the scheduler's ``/metrics``.
+dashboard page; :func:`build_snapshot` makes what ``/llm/metrics.json`` returns, the page
+draws and :mod:`daskllm.dashboard.prometheus` exports (all through the cache in
+:mod:`daskllm.dashboard.cache`).
 Everything here only reads scheduler state.
 """
 
@@ -71,8 +72,10 @@ def _zero_rates() -> dict:
 _history = MetricsHistory()
 
 
-def snapshot(scheduler) -> dict:
-    """Everything the page shows, as plain JSON: per worker engines, GPUs, indexes; placement."""
+def build_snapshot(scheduler) -> dict:
+    """Everything the page shows, as plain JSON: per worker engines, GPUs, indexes; placement.
+    Readers take it through :func:`daskllm.dashboard.cache.snapshot`, which calls this at a
+    bounded rate (each call also adds a point to the rates' time series)."""
     rates = _history.update(scheduler)
     workers = {}
     for worker, metrics in engines_of(scheduler).items():
@@ -90,46 +93,3 @@ def snapshot(scheduler) -> dict:
             "placement": {"policy": getattr(placement, "policy", None),
                           "decisions": dict(getattr(placement, "decisions", {}) or {}),
                           "queued_tokens": dict(getattr(placement, "queued", {}) or {})}}
-
-
-class PrometheusCollector:
-    """The same counters for Prometheus, on the scheduler's ``/metrics`` (names ``daskllm_*``)."""
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # optional dependency
-
-        counters = {
-            "prefill_tokens_computed": ("daskllm_prefill_tokens_computed", "Prompt tokens computed by prefill"),
-            "prefill_tokens_cached": ("daskllm_prefix_cache_hits", "Prompt tokens served from the prefix cache"),
-            "decode_tokens": ("daskllm_decode_tokens", "Tokens generated"),
-            "requests_finished": ("daskllm_requests_finished", "Requests finished"),
-            "requests_failed": ("daskllm_requests_failed", "Requests failed"),
-            "preemptions": ("daskllm_preemptions", "Sequences preempted for cache space"),
-            "evicted_blocks": ("daskllm_evicted_blocks", "Prefix-cache blocks evicted"),
-        }
-        gauges = {
-            "running": ("daskllm_requests_running", "Requests in the running batch"),
-            "waiting": ("daskllm_requests_waiting", "Requests waiting for the engine"),
-            "cache_blocks_used": ("daskllm_cache_blocks_used", "KV-cache blocks in use"),
-            "cache_blocks_total": ("daskllm_cache_blocks_total", "KV-cache blocks in all"),
-            "mean_batch_size": ("daskllm_mean_batch_size", "Mean sequences per engine step"),
-        }
-        families = {k: CounterMetricFamily(name, doc, labels=["worker", "model"]) for k, (name, doc) in
-                    counters.items()}
-        families.update({k: GaugeMetricFamily(name, doc, labels=["worker", "model"]) for k, (name, doc) in
-                         gauges.items()})
-        for worker, metrics in engines_of(self.scheduler).items():
-            for name, stats in (metrics.get("engines") or {}).get("llm", {}).items():
-                for key, family in families.items():
-                    if key in stats:
-                        family.add_metric([worker, name], float(stats[key]))
-        yield from families.values()
-        placement = self.scheduler.plugins.get("daskllm-placement")
-        decisions = CounterMetricFamily("daskllm_placement_decisions", "Tasks placed by the placement plugin",
-                                        labels=["reason"])
-        for reason, n in dict(getattr(placement, "decisions", {}) or {}).items():
-            decisions.add_metric([reason], float(n))
-        yield decisions
