@@ -8,13 +8,17 @@ without NVML) the workers are CPU processes sharing the machine's cores.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import os
 from collections.abc import Iterable, Mapping
 
 import dask
+from dask.utils import parse_timedelta
 from distributed import LocalCluster
+from distributed.core import Status
+from distributed.deploy.cluster import Cluster
 
 from daskllm import config
 
@@ -131,6 +135,38 @@ class LocalLLMCluster(LocalCluster):
         spec = copy.deepcopy(self.new_spec)
         spec["options"]["env"] = {**spec["options"].get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
         return {devices: spec}
+
+    # --- keeping every worker slot filled -------------------------------------------------
+
+    def _update_worker_status(self, op, msg):
+        """A worker left: its nanny restarts it. SpecCluster's own check closes a worker slot
+        whose name is absent ``lost-worker-timeout`` after any removal, even while the nanny
+        is restarting a later incarnation (a worker killed again soon after it came back); and
+        a nanny that gave up is never replaced. Here a slot is replaced only if its nanny no
+        longer runs a worker process, and then a fresh one takes its place."""
+        if op != "remove" or not self.processes:
+            return super()._update_worker_status(op, msg)
+        name = self.scheduler_info["workers"].get(msg, {}).get("name")
+        delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+        asyncio.get_running_loop().call_later(delay, self._replace_if_given_up, name)
+        Cluster._update_worker_status(self, op, msg)
+
+    def _replace_if_given_up(self, name) -> None:
+        nanny = self.workers.get(name)
+        if self.status != Status.running or nanny is None or name not in self.worker_spec:
+            return  # closing, or scaled down on purpose
+        process = getattr(nanny, "process", None)
+        if nanny.status == Status.running and process is not None and process.status in (Status.starting, Status.running):
+            return  # restarting, or back
+        logger.warning("daskllm: the nanny of worker %r gave up (%s); starting a fresh one", name, nanny.status)
+        del self.workers[name]
+        self._futures.add(asyncio.ensure_future(self._close_and_refill(nanny)))
+
+    async def _close_and_refill(self, nanny) -> None:
+        try:
+            await nanny.close()
+        finally:
+            await self._correct_state()
 
     @property
     def models(self) -> list[str]:

@@ -38,6 +38,7 @@ import pyarrow as pa
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from distributed import worker_client
+from distributed.worker import thread_state
 
 from daskllm import api
 from daskllm.api import batch
@@ -269,7 +270,10 @@ def _compute_nested(node):
         return collection.compute(node)[0], submit.plan([node])
     with worker_client(separate_thread=True) as client:
         submission = submit.plan_and_submit([node], client)
-        return submission.futures[0].result(), submission.lowered
+        future = submission.futures[0]
+        # If this partition's task is cancelled (the job was), so is the LLM work it started.
+        with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, [future])):
+            return future.result(), submission.lowered
 
 
 def _plan_keys(plan) -> list:

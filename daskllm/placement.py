@@ -148,6 +148,7 @@ class PlacementPlugin(SchedulerPlugin):
         self._plan = self._plan_prefix_groups(scheduler, [k for k in order if k in tasks], tasks, ours) \
             if self.policy == "cache_aware" else {}
         for key in order:
+            self._unpin_departed(scheduler, key, tasks[key])
             if ours[key].engine is not None:
                 self._place_one(scheduler, key, tasks[key], ours[key])
         self._plan = {}
@@ -214,6 +215,17 @@ class PlacementPlugin(SchedulerPlugin):
                         if not pending or load[w] + cost(pending[0], w) > cap:
                             break
         return plan
+
+    def _unpin_departed(self, scheduler, key, ts) -> None:
+        """A task pinned only to workers that have left (planned before they died: an index
+        shard's holder, a sticky pmap's worker) would wait forever: it runs elsewhere instead,
+        and data it needs there fails at once naming what is missing (e.g. the shard)."""
+        if ts.worker_restrictions and not ts.loose_restrictions \
+                and not any(w in scheduler.workers for w in ts.worker_restrictions):
+            scheduler.log_event(EVENT_TOPIC, {"action": "unpinned", "key": str(key),
+                                              "departed": sorted(ts.worker_restrictions)})
+            ts.worker_restrictions = None
+            self.decisions["unpinned"] += 1
 
     def _place_one(self, scheduler, key, ts, ann: TaskAnnotation) -> None:
         kind, model = ann.engine, ann.model

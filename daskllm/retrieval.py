@@ -23,8 +23,8 @@ from daskllm.index import Hit, VectorIndex
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
 from daskllm.worker.calls import embed
 from daskllm.worker.control import resident_models
-from daskllm.worker.indexes import (add_to_shard, count_shards, create_shard, drop_shards, embed_dim, ingest_shard,
-                                    load_shard, merge_shards, save_shard, search_shard)
+from daskllm.worker.indexes import (IndexShardLost, add_to_shard, count_shards, create_shard, drop_shards, embed_dim,
+                                    ingest_shard, load_shard, merge_shards, save_shard, search_shard)
 
 INGEST_CHUNK = 512  # texts per ingest task: bounded memory, visible progress, concurrent batches
 
@@ -43,6 +43,8 @@ class ShardedIndex:
     sizes: list[int] = field(default_factory=list)
     # Changes with every change of contents, so cached search results never outlive them.
     version: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The last saved copy of exactly these contents (save, load): where lost shards come back from.
+    saved: tuple[str, str] | None = None  # (path, version)
 
     @classmethod
     def create(cls, client, name: str, *, embedder: str = DEFAULT_EMBEDDING_MODEL, dim: int | None = None,
@@ -90,6 +92,7 @@ class ShardedIndex:
 
     def ingest(self, texts: Sequence[str], ids: Sequence[int] | None = None) -> ShardedIndex:
         """Embed and add texts (incremental). Ids default to consecutive numbers after the last."""
+        self.restore()
         texts = list(texts)
         if not texts and not self.ntotal:
             raise ValueError(f"index {self.name!r}: nothing to ingest (empty corpus)")
@@ -122,6 +125,7 @@ class ShardedIndex:
 
     def add_vectors(self, vectors, ids: Sequence[int] | None = None,
                     texts: Sequence[str] | None = None) -> ShardedIndex:
+        self.restore()
         vectors = np.asarray(vectors, dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape[1] != self.config["dim"]:
             raise ValueError(f"index {self.name!r}: vectors must have dimension {self.config['dim']}, "
@@ -144,8 +148,40 @@ class ShardedIndex:
         for shard, size in zip([s for s, _ in futures], self.client.gather([f for _, f in futures])):
             self.sizes[shard] = max(self.sizes[shard], size)
 
+    def lost_shards(self) -> dict[int, str]:
+        """Shards whose worker has left the cluster: shard -> the worker that held it."""
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return {s: w for s, w in enumerate(self.workers) if w not in alive}
+
+    def restore(self) -> ShardedIndex:
+        """Bring shards whose worker left back from the last saved copy, onto live workers
+        holding the embedder. Raises :class:`IndexShardLost` naming them when there is no saved
+        copy of the current contents (then rebuild the index)."""
+        lost = self.lost_shards()
+        if not lost:
+            return self
+        if self.saved is None or self.saved[1] != self.version:
+            raise IndexShardLost(
+                f"index {self.name!r}: shard(s) {sorted(lost)} were on worker(s) {sorted(set(lost.values()))}, "
+                f"which left the cluster, and " + ("the index was never saved" if self.saved is None else
+                                                   f"it changed since it was saved to {self.saved[0]}")
+                + "; rebuild it (ShardedIndex.from_texts), or save it (index.save(path)) so lost shards can be restored")
+        path = pathlib.Path(self.saved[0])
+        holders = sorted(w for w, names in resident_models(self.client, kind="embed").items() if self.embedder in names)
+        if not holders:
+            raise IndexShardLost(f"index {self.name!r}: no live worker holds the embedder {self.embedder!r} "
+                                 f"to take shard(s) {sorted(lost)}")
+        moved = {s: holders[i % len(holders)] for i, s in enumerate(sorted(lost))}
+        self.client.gather([self.client.submit(load_shard, self.name, s, str(path / f"shard-{s}"), workers=[w],
+                                               allow_other_workers=False, pure=False) for s, w in moved.items()])
+        for s, w in moved.items():
+            self.workers[s] = w
+        return self
+
     def search_futures(self, queries, k: int):
-        """Futures for the search: one per shard, and the merged result (``list[list[Hit]]``)."""
+        """Futures for the search: one per shard, and the merged result (``list[list[Hit]]``).
+        A shard whose worker left comes back from the last saved copy first (:meth:`restore`)."""
+        self.restore()
         if isinstance(queries, str):
             raise TypeError(f"index {self.name!r}: search takes a list of queries; got one str")
         if not isinstance(k, int) or k <= 0:
@@ -184,6 +220,7 @@ class ShardedIndex:
 
     def save(self, path: str | pathlib.Path) -> pathlib.Path:
         """Each worker writes its shard under ``path`` (a filesystem the workers and client share)."""
+        self.restore()
         path = pathlib.Path(path).resolve()
         path.mkdir(parents=True, exist_ok=True)
         self.client.gather([self.client.submit(save_shard, self.name, s, str(path / f"shard-{s}"), workers=[w],
@@ -192,6 +229,7 @@ class ShardedIndex:
         (path / "index.json").write_text(json.dumps({"name": self.name, "config": self.config,
                                                      "embedder": self.embedder, "sizes": self.sizes,
                                                      "next_id": getattr(self, "_next_id", self.ntotal)}))
+        self.saved = (str(path), self.version)
         return path
 
     @classmethod
@@ -211,6 +249,7 @@ class ShardedIndex:
                                for s, w in enumerate(placement)])
         index = cls(client, name, meta["config"], placement, meta["embedder"], list(sizes))
         index._next_id = meta["next_id"]
+        index.saved = (str(path), index.version)
         return index
 
     def drop(self) -> None:

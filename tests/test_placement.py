@@ -185,7 +185,7 @@ def test_scheduler_preload_with_cli_workers(tmp_path, tiny_model_dir):
                 with urllib.request.urlopen(dashboard + "/llm/metrics.json", timeout=10) as response:
                     return json.loads(response.read())
 
-            poll_for(lambda: sum(w["engines"]["tiny"]["decode_tokens"] for w in snapshot()["workers"].values()) >= 9,
+            poll_for(lambda: sum(w["engines"].get("tiny", {}).get("decode_tokens", 0) for w in snapshot()["workers"].values()) >= 9,
                      timeout=30)
             [held] = snapshot()["workers"].values()
             with urllib.request.urlopen(dashboard + "/llm", timeout=10) as response:

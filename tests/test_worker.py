@@ -89,7 +89,7 @@ def test_failed_plugin_setup_leaves_no_half_configured_engines(client, tiny_mode
     (broken / "config.json").write_text("{not json")
     with pytest.raises(EngineLoadError, match="broken-model"):
         client.register_plugin(EngineHost([str(tiny_model_dir), str(broken)]), name="daskllm-engines")
-    with pytest.raises(LookupError):
+    with pytest.raises(EngineLoadError, match="broken-model"):
         client.submit(get_engine, "tiny", pure=False).result()
     assert client.submit(sum, [1, 2], pure=False).result() == 3  # the workers are alive
     # Registering a good configuration brings the engines back.

@@ -23,11 +23,15 @@ def reset_prefix_caches(dask_worker=None) -> int:
 
 
 def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
-    """Which models of one kind each worker of ``client``'s cluster holds right now."""
+    """Which models of one kind each worker of ``client``'s cluster holds (once its engines,
+    still loading on a worker that just started, are loaded)."""
 
-    def models(dask_worker) -> list[str]:
+    async def models(dask_worker) -> list[str]:
         plugin = dask_worker.plugins.get(PLUGIN_NAME)
-        return sorted(plugin.engines.get(kind, {})) if plugin is not None else []
+        if plugin is None:
+            return []
+        await plugin.loaded()
+        return sorted(plugin.engines.get(kind, {}))
 
     return client.run(models)
 

@@ -30,7 +30,7 @@ from daskllm.streaming.wire import Source
 from daskllm.worker import calls
 from daskllm.worker.consumer import Consumer
 from daskllm.worker.failures import NullInput, Origins, attempt, failed, merge, ok, raise_others
-from daskllm.worker.host import get_engine, host, in_worker
+from daskllm.worker.host import get_engine, host, in_worker, wait_requests
 from daskllm.worker.indexes import merge_shards, search_shard
 from daskllm.worker.streams import StreamWriter, stream_decode
 from daskllm.worker.usage import TaskUsage
@@ -107,7 +107,7 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Ori
     engine = get_engine(model)
     prompts = attempt(lambda call: _tokens(call, deps, engine), items)
     runnable = ok(prompts)
-    completions = raise_others(engine.generate(runnable, sampling, return_exceptions=True) if runnable else [])
+    completions = raise_others(wait_requests(task_key, engine.submit_many(runnable, sampling), return_exceptions=True) if runnable else [])
     _record_decode(task_key, model, ok(completions))
     return origins.settle(merge(prompts, [c if failed(c) else c.text for c in completions]))
 
@@ -120,7 +120,7 @@ def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split:
     prompts = [_tokens(call, deps, engine) for call in items]
     writer = StreamWriter(task_key, channels) if any(channels) and in_worker() else None
     try:
-        completions = stream_decode(engine, prompts, sampling, split, writer)
+        completions = stream_decode(task_key, engine, prompts, sampling, split, writer)
     finally:
         if writer is not None:
             writer.close()
@@ -167,7 +167,7 @@ def run_prefill(task_key: str, model: str, call, *deps) -> PrefillHandle:
 def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillHandle]:
     """Put several known prefixes (a decode shard's partial prompts) in this worker's cache at once."""
     engine = get_engine(model)
-    handles = [f.result() for f in [engine.submit_prefill(list(p)) for p in prefixes]]
+    handles = wait_requests(task_key, [engine.submit_prefill(list(p)) for p in prefixes])
     _record(task_key, PREFILL_TASK, model=model, calls=len(handles), prompt_tokens=sum(h.num_tokens for h in handles),
             cached_tokens=sum(h.num_cached_tokens for h in handles))
     return handles

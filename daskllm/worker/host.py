@@ -1,7 +1,9 @@
 """Engines and index shards resident on Dask workers.
 
 :class:`EngineHost` is a ``WorkerPlugin``: it loads the configured engines once per worker
-process at setup and closes them at teardown. Engines are of three kinds: ``llm``
+process and closes them at teardown. At worker start-up the worker joins the cluster first
+and the engines load in the background (a restarted worker is back in about a second, not
+after its weights load); a task that needs an engine waits for it. Engines are of three kinds: ``llm``
 (generate, prefill), ``embed`` and ``rerank``. A task running on that worker finds its
 engine with :func:`get_engine`; many tasks running at once on one worker all feed the same
 engine (one copy of the weights, requests batched together). Vector-index shards built or
@@ -15,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 
 from distributed import WorkerPlugin, get_worker
+from distributed.core import Status
 from distributed.diagnostics import nvml
 
 from daskllm.engines import KINDS, Engine, EngineSpec
@@ -35,6 +40,9 @@ PLUGIN_NAME = "daskllm-engines"
 
 class EngineLoadError(RuntimeError):
     """A configured model could not be loaded; the worker keeps no engine at all."""
+
+
+_UNWANTED = ("cancelled", "released", "forgotten")  # worker task states: nobody will read the result
 
 
 class EngineHost(WorkerPlugin):
@@ -52,27 +60,115 @@ class EngineHost(WorkerPlugin):
         if len(set(keys)) != len(keys):
             raise ValueError(f"two engines of one kind would share a name: {keys}")
         self.engine_defaults = engine_defaults
+        self._unloaded()
+
+    def _unloaded(self) -> None:
         self.engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
         self.indexes: dict[str, dict[int, object]] = {}  # index name -> shard number -> VectorIndex
         self.usage = UsageLog()
+        self._loaded = threading.Event()  # set when the load finished, or failed
+        self._load_error: BaseException | None = None
+        self._closed = False
+        self._announced = True
+        self._aborts: dict[str, list[Callable[[], object]]] = {}  # task key -> how to stop its work
 
-    def __getstate__(self):
-        return {"specs": self.specs, "engine_defaults": self.engine_defaults,
-                "engines": {kind: {} for kind in KINDS}, "indexes": {}, "usage": UsageLog(), "_announced": True}
+    def __getstate__(self):  # what travels to workers: the configuration, never engines
+        return {"specs": self.specs, "engine_defaults": self.engine_defaults}
+
+    def __setstate__(self, state):
+        self.specs, self.engine_defaults = state["specs"], state["engine_defaults"]
+        self._unloaded()
 
     async def setup(self, worker) -> None:
-        # Loading takes seconds: keep the worker's event loop (heartbeats) responsive.
-        self.engines = await asyncio.to_thread(load_engines, self.specs, self.engine_defaults)
-        self._announced = False
+        for spec in self.specs:  # a model that does not exist fails here: the worker never joins
+            try:
+                resolve(spec.model)
+            except Exception as exc:
+                self._load_error = _load_error(spec, exc)
+                self._loaded.set()
+                raise self._load_error from exc
         worker.metrics["daskllm"] = self.metrics
+        if worker.status == Status.running:
+            # Registered on a running worker: the caller waits for the engines, and sees a failure.
+            await self._load()
+            return
+        # At start-up the worker joins first (a restarted worker is back at once, and a kill
+        # during a long load cannot strand its nanny); tasks wait for their engines.
+        worker.loop.add_callback(self._load_or_leave, worker)
+
+    async def _load(self) -> None:
+        try:
+            # Loading takes seconds: keep the worker's event loop (heartbeats) responsive.
+            engines = await asyncio.to_thread(load_engines, self.specs, self.engine_defaults)
+        except BaseException as exc:
+            self._load_error = exc
+            raise
+        finally:
+            self._loaded.set()
+        if self._closed:  # torn down while loading
+            close_engines(engines)
+            return
+        self.engines = engines
+        self._announced = False
+
+    async def _load_or_leave(self, worker) -> None:
+        try:
+            await self._load()
+        except Exception as exc:  # noqa: BLE001 - logged, and the worker leaves: it must not serve without engines
+            logger.error("daskllm: %s; worker %s leaves the cluster", exc, worker.address)
+            await worker.close(reason=f"daskllm engines failed to load: {exc}", nanny=True)
+
+    def wait_loaded(self, timeout: float | None = None) -> None:
+        """Block until the engines are loaded; raise the load's error if it failed."""
+        if not self._loaded.wait(timeout):
+            raise TimeoutError(f"daskllm engines still loading after {timeout} s")
+        if self._load_error is not None:
+            raise EngineLoadError(f"this worker's engines failed to load: {self._load_error}") from self._load_error
+
+    async def loaded(self) -> None:
+        """Wait (on the event loop) until the engines are loaded or failed."""
+        if not self._loaded.is_set():
+            await asyncio.to_thread(self._loaded.wait)
+
+    # --- work nobody wants any more ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def abortable(self, task_key: str, abort: Callable[[], object]):
+        """While the task ``task_key`` waits on work it started (engine requests, nested
+        futures), ``abort`` stops that work if the task is cancelled or released: Dask cannot
+        interrupt the task's thread, so without this the engines would finish work nobody reads."""
+        self._aborts.setdefault(task_key, []).append(abort)
+        if not _wanted(task_key):  # cancelled before its work was registered here
+            self.transition(task_key, None, "cancelled")
+        try:
+            yield
+        finally:
+            aborts = self._aborts.get(task_key)
+            if aborts is not None and abort in aborts:
+                aborts.remove(abort)
+                if not aborts:
+                    del self._aborts[task_key]
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        if finish in _UNWANTED and key in self._aborts:
+            for abort in self._aborts.pop(key):
+                try:
+                    abort()
+                except Exception:  # noqa: BLE001 - a hook must never break the worker's state machine
+                    logger.exception("daskllm: could not abort the work of task %s", key)
 
     def teardown(self, worker) -> None:
+        self._closed = True
         worker.metrics.pop("daskllm", None)
         engines, self.engines = self.engines, {kind: {} for kind in KINDS}
         self.indexes = {}
         close_engines(engines)
 
     def models(self) -> dict[str, list[str]]:
+        """What this worker serves: while its engines load, what it was configured with (tasks
+        placed here wait for them); after a failed load, nothing."""
+        if not self._loaded.is_set():
+            return {kind: sorted(s.engine_name for s in self.specs if s.kind == kind) for kind in KINDS}
         return {kind: sorted(engines) for kind, engines in self.engines.items()}
 
     def metrics(self, worker=None) -> dict:
@@ -120,6 +216,16 @@ def load_engines(specs: Iterable[EngineSpec], defaults: Mapping | None = None) -
 
     A bi-encoder reranker on the same model as an embed engine shares that engine's weights.
     """
+    with _loading:
+        return _load_all(specs, defaults)
+
+
+# One load at a time per process: a plugin replaced while its engines still load must not load
+# beside its successor (transformers' lazy imports are not safe from two threads at once).
+_loading = threading.Lock()
+
+
+def _load_all(specs: Iterable[EngineSpec], defaults: Mapping | None) -> dict[str, dict[str, Engine]]:
     engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
     try:
         for spec in sorted(specs, key=lambda s: KINDS.index(s.kind)):
@@ -132,12 +238,15 @@ def load_engines(specs: Iterable[EngineSpec], defaults: Mapping | None = None) -
                         options["embedder"] = shared
                 engines[spec.kind][spec.engine_name] = spec.load(**options)
             except Exception as exc:
-                raise EngineLoadError(f"could not load {spec.kind} model {spec.model!r} ({spec.backend or 'configured'} backend): "
-                                      f"{exc}") from exc
+                raise _load_error(spec, exc) from exc
     except BaseException:
         close_engines(engines)
         raise
     return engines
+
+
+def _load_error(spec: EngineSpec, exc: BaseException) -> EngineLoadError:
+    return EngineLoadError(f"could not load {spec.kind} model {spec.model!r} ({spec.backend or 'configured'} backend): {exc}")
 
 
 def close_engines(engines: dict[str, dict[str, Engine]]) -> None:
@@ -151,8 +260,8 @@ class LocalHost(EngineHost):
 
     def __init__(self):
         self.specs, self.engine_defaults = [], {}
-        self.engines = {kind: {} for kind in KINDS}
-        self.indexes, self.usage = {}, UsageLog()
+        self._unloaded()
+        self._loaded.set()  # loads each engine on first use instead
         self._lock = threading.Lock()
 
     def load(self, model: str, kind: str) -> Engine:
@@ -200,6 +309,7 @@ def get_engine(model: str, kind: str = "llm") -> Engine:
     loaded into this process on first use.
     """
     plugin = host()
+    plugin.wait_loaded()
     engines = plugin.engines.get(kind, {})
     engine = engines.get(model)
     if engine is None:
@@ -210,6 +320,38 @@ def get_engine(model: str, kind: str = "llm") -> Engine:
         raise LookupError(f"{kind} model {model!r} is not resident on worker {get_worker().address}; "
                           f"it holds {sorted(engines)}")
     return engine
+
+
+def _wanted(task_key: str) -> bool:
+    """Whether the task's result is still wanted (True outside a worker: nobody can cancel it)."""
+    try:
+        ts = get_worker().state.tasks.get(task_key)
+    except ValueError:
+        return True
+    return ts is None or ts.state not in _UNWANTED  # None: not a task of this worker's (nothing to cancel)
+
+
+def wait_requests(task_key: str, futures: list[Future], *, return_exceptions: bool = False) -> list:
+    """The results of engine requests the task ``task_key`` started, in order; a failed one
+    holds its exception with ``return_exceptions``, else the first is raised once all are done.
+    If the task is cancelled meanwhile, the requests are cancelled: the engine drops them at its
+    next step."""
+    def cancel():
+        for f in futures:
+            f.cancel()
+
+    with host().abortable(task_key, cancel):
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as exc:  # noqa: BLE001 - reported per request
+                out.append(exc)
+    if not return_exceptions:
+        for r in out:
+            if isinstance(r, BaseException):
+                raise r
+    return out
 
 
 def default_num_threads(workers_on_this_machine: int) -> int:

@@ -16,14 +16,20 @@ from daskllm.index import Hit, VectorIndex, merge_hits
 from daskllm.worker.host import PLUGIN_NAME, get_engine, host
 
 
+class IndexShardLost(LookupError):
+    """An index shard is not where it was placed: its worker left the cluster or restarted."""
+
+
 def _shard(name: str, shard: int) -> VectorIndex:
     plugin = host()
     try:
         return plugin.indexes[name][shard]
     except KeyError:
         held = {n: sorted(s) for n, s in plugin.indexes.items()}
-        raise LookupError(f"index {name!r} shard {shard} is not on worker {get_worker().address} "
-                          f"(it holds {held or 'no indexes'})") from None
+        raise IndexShardLost(f"index {name!r} shard {shard} is not on worker {get_worker().address} "
+                             f"(it holds {held or 'no indexes'}): the worker that held it left the cluster or "
+                             f"restarted. Restore it from a saved copy (index.restore(), after index.save(path)), "
+                             f"or rebuild the index") from None
 
 
 def create_shard(name: str, shard: int, config: dict) -> int:

@@ -16,6 +16,7 @@ from distributed import Queue, get_client
 from daskllm import config
 from daskllm.streaming.split import ItemEmitter, Splitter
 from daskllm.streaming.wire import queue_name
+from daskllm.worker.host import host, wait_requests
 
 class StreamWriter:
     """The decode side: sends each call's new items to its consumers' queues.
@@ -90,12 +91,18 @@ class StreamWriter:
         self.queues = {}
 
 
-def stream_decode(engine, prompts: list, sampling, split: Splitter, writer: StreamWriter | None) -> list:
-    """Generate for ``prompts`` together; send items as they complete. Returns the completions."""
+def stream_decode(task_key: str, engine, prompts: list, sampling, split: Splitter, writer: StreamWriter | None) -> list:
+    """Generate for ``prompts`` together; send items as they complete. Returns the completions.
+    If the task ``task_key`` is cancelled meanwhile, its engine requests are."""
     if writer is None:
-        return engine.generate(prompts, sampling)
+        return wait_requests(task_key, engine.submit_many(prompts, sampling))
     deltas: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
-    futures = []
+    futures: list = []
+    with host().abortable(task_key, lambda: [f.cancel() for f in futures]):
+        return _stream(engine, prompts, sampling, split, writer, deltas, futures)
+
+
+def _stream(engine, prompts: list, sampling, split: Splitter, writer: StreamWriter, deltas, futures: list) -> list:
     try:
         for pos, p in enumerate(prompts):
             # Engine callbacks only enqueue: queue round trips must not slow the engine loop.
