@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     log(f"starting a one-worker cluster with {args.model} on {args.backend}")
     started = time.perf_counter()
     with LocalLLMCluster(models=[spec], embedders=(), rerankers=(), n_workers=1, threads_per_worker=args.threads,
-                         dashboard_address=":0") as cluster, Client(cluster) as client:
+                         dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         log(f"engine up in {time.perf_counter() - started:.0f} s; dashboard {client.dashboard_link}")
         nodes = workload(args)
         daskllm.compute(nodes[0], result_cache=False)  # warm-up: CUDA graphs, allocator

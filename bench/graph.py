@@ -430,7 +430,7 @@ def bench_end_to_end(args, log) -> dict:
     log(f"starting a {args.workers}-worker cluster with {args.model} ...")
     start = time.perf_counter()
     with LocalLLMCluster(models=[args.model], embedders=(), rerankers=(), n_workers=args.workers,
-                         threads_per_worker=args.threads_per_worker, dashboard_address=":0") as cluster, \
+                         threads_per_worker=args.threads_per_worker, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         startup_s = time.perf_counter() - start
         # Warm-up on other prompts: first-call costs (torch kernels, imports on the workers) are not timed.

@@ -356,7 +356,7 @@ def main(argv=None) -> int:
     log(f"cluster: {args.workers} workers x {args.threads} threads, models {models}")
     results = []
     with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, threads_per_worker=args.threads,
-                                 dashboard_address=":0") as cluster, Client(cluster) as client:
+                                 dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         inputs = make_inputs(client, args.queries, source=args.source)
         cost = costs(client, models)
         log(f"engine costs (best of workers): {json.dumps(cost)}")

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     results: dict[str, dict[float, dict]] = {"daskllm": {}, "dask": {}}
     with daskllm.LocalLLMCluster(models=[args.model], n_workers=args.workers, threads_per_worker=16,
-                                 dashboard_address=":0") as cluster, Client(cluster) as client:
+                                 dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         inputs = make_inputs(client, args.queries)
         daskllm.compute(fn(inputs.subset(0, 2), **config))  # warm-up
         for k, rate in enumerate(rates):

@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         f"{info['cpu_count']} CPUs ({info['cpu_model']}), load {load_before[0]:.2f}")
     with LocalLLMCluster(models=[args.model], n_workers=args.workers, threads_per_worker=args.threads_per_worker,
                          engine_options={"kv_cache_tokens": args.kv_cache_tokens}, embedders=(), rerankers=(),
-                         dashboard_address=":0") as cluster, Client(cluster) as client:
+                         dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         client.wait_for_workers(args.workers, timeout=180)
         model = cluster.models[0]
         startup = time.perf_counter() - started

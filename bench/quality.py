@@ -154,7 +154,7 @@ def main(argv=None) -> int:
               "command": "python bench/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     print(f"{len(asked)} questions ({report['questions']}), {len(texts):,} passages, model {args.model}, "
           f"k={args.k}, max_tokens={args.max_tokens}", flush=True)
-    with LocalLLMCluster(models=[args.model], rerankers=(), n_workers=args.workers, dashboard_address=":0") as cluster, \
+    with LocalLLMCluster(models=[args.model], rerankers=(), n_workers=args.workers, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         start = time.perf_counter()
         index = daskllm.ShardedIndex.from_texts(client, "quality-stdlib", texts, ids=ids)

@@ -587,7 +587,7 @@ def main(argv=None) -> int:
         exact_hits = quality.pop("exact_flat_hits")
         phases["quality_s"] = time.perf_counter() - t0
 
-        cluster_options = {"models": ["tiny"], "threads_per_worker": args.task_threads, "dashboard_address": ":0",
+        cluster_options = {"models": ["tiny"], "threads_per_worker": args.task_threads, "dashboard_address": "127.0.0.1:0",
                            "engine_options": {"kv_cache_tokens": 1024}}
         t0 = time.perf_counter()
         log("parts 2 and 4: 2-worker cluster ...")

@@ -103,7 +103,7 @@ def bench_throughput(n: int, workers: int, max_tokens: int) -> dict:
     inputs = Inputs(distinct_questions(n))
     result = {"queries": n, "workers": workers, "max_tokens": max_tokens, "workflow": "w2"}
     with daskllm.LocalLLMCluster(models=["tiny"], n_workers=workers, threads_per_worker=8,
-                                 dashboard_address=":0") as cluster, Client(cluster) as client:
+                                 dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         daskllm.compute(w2(inputs.subset(0, 8), max_tokens=max_tokens))  # warm-up
         outputs = {}
         for system in ("daskllm", "dask"):

@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     dask.config.set({"daskllm.metering.prompt-blocks": True})
     results = []
     with daskllm.LocalLLMCluster(models=["tiny"], embedders=(), rerankers=(), n_workers=1,
-                                 dashboard_address=":0") as cluster, Client(cluster) as client:
+                                 dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         inputs = Inputs(questions(args.batch, "stdlib"), None, contexts(args.batch, per_query=2))
         for name in args.instances.split(","):
             calls = collect_calls(client, helium.PIPELINES[name], inputs,

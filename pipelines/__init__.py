@@ -52,7 +52,7 @@ def main(pipelines: dict, argv=None) -> None:
     two = args.pipeline in TWO_MODELS and args.model2 is not None
     models = list(dict.fromkeys([args.model] + ([args.model2] if two else [])))
     config = {"model": args.model, "max_tokens": args.max_tokens, **({"model2": args.model2} if two else {})}
-    with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, dashboard_address=":0") as cluster, \
+    with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         print(f"dashboard: {cluster.dashboard_link}")
         inputs = make_inputs(client, args.queries, source=args.source)

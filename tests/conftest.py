@@ -87,7 +87,7 @@ def stdlib_corpus(daskllm_cache) -> pathlib.Path:
 def _llm_cluster(models=("tiny",), *, n_workers: int = 2, threads_per_worker: int = 4, timeout: float = 120,
                  set_as_default: bool = True, **options) -> Iterator:
     """A LocalLLMCluster and a Client on it; the workers must be up within ``timeout`` seconds."""
-    options.setdefault("dashboard_address", ":0")
+    options.setdefault("dashboard_address", "127.0.0.1:0")
     with LocalLLMCluster(models=list(models), n_workers=n_workers, threads_per_worker=threads_per_worker,
                          **options) as cluster, \
             Client(cluster, set_as_default=set_as_default, timeout=timeout) as client:

@@ -97,7 +97,7 @@ def test_demo_runs_end_to_end_with_right_readable_answers(tmp_path, smollm2_mode
     summary_file = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if k != DEFAULT_MODEL_ENV}
     run = subprocess.run([BIN / "daskllm", "demo", "--questions", "4", "--rows", "60", "--max-tokens", "32",
-                          "--dashboard-address", ":0", "--json", summary_file],
+                          "--dashboard-address", "127.0.0.1:0", "--json", summary_file],
                          capture_output=True, text=True, timeout=400, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Dashboard: http://" in run.stdout and "✓ names json" in run.stdout

@@ -100,7 +100,7 @@ def test_failed_plugin_setup_leaves_no_half_configured_engines(client, tiny_mode
 def test_unknown_model_fails_before_any_worker_starts():
     started = threading.active_count()
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
-        LocalLLMCluster(models=["no-such-model"], dashboard_address=":0")
+        LocalLLMCluster(models=["no-such-model"], dashboard_address="127.0.0.1:0")
     assert threading.active_count() <= started + 1
 
 
@@ -116,7 +116,7 @@ def restore_dask_config():
 def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypatch, restore_dask_config):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert discover_gpus() == ["0", "1"]
-    with LocalLLMCluster(models=["tiny"], dashboard_address=":0", threads_per_worker=1,
+    with LocalLLMCluster(models=["tiny"], dashboard_address="127.0.0.1:0", threads_per_worker=1,
                          engine_options={"kv_cache_tokens": 1024}) as cluster, Client(cluster) as client:
         visible = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
         assert sorted(visible.values()) == ["0", "1"]
@@ -131,7 +131,7 @@ def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypa
 @pytest.mark.slow  # worker processes
 def test_tensor_parallel_models_get_a_group_of_gpus_per_worker(tiny_model_dir, restore_dask_config):
     with LocalLLMCluster(models=["tiny"], embedders=(), rerankers=(), gpus=["0", "1", "2", "3"], gpus_per_worker=2,
-                         dashboard_address=":0", threads_per_worker=1,
+                         dashboard_address="127.0.0.1:0", threads_per_worker=1,
                          engine_options={"kv_cache_tokens": 1024}) as cluster, Client(cluster) as client:
         visible = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
         assert sorted(visible.values()) == ["0,1", "2,3"]
