@@ -29,8 +29,10 @@ from daskllm.worker import gpu_metrics
 def client(llm_cluster, tiny_model_dir):
     with llm_cluster(n_workers=2, threads_per_worker=4, dashboard_address="127.0.0.1:0") as client:
         # A worker reports its engines from the first heartbeat after they have loaded.
+        # Workers join before their engines load: wait for both.
         workers = set(client.scheduler_info()["workers"])
-        poll_for(lambda: set(metrics(client.cluster)["workers"]) == workers, timeout=60)
+        poll_for(lambda: set((m := metrics(client.cluster))["workers"]) == workers
+                 and all("tiny" in w["engines"] for w in m["workers"].values()), timeout=60)
         yield client
 
 
