@@ -270,17 +270,7 @@ class BatchingEngine:
                  return_exceptions: bool = False) -> list[Completion]:
         """Generate for all prompts together. A bad prompt fails alone: with
         ``return_exceptions`` its slot holds the error, else it is raised once the rest finish."""
-        results: list = []
-        for f in self.submit_many(prompts, params):
-            try:
-                results.append(f.result())
-            except Exception as exc:  # noqa: BLE001 - reported per prompt
-                results.append(exc)
-        if not return_exceptions:
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
-        return results
+        return gather_requests(self.submit_many(prompts, params), return_exceptions=return_exceptions)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         deltas: queue.Queue = queue.Queue()
@@ -292,6 +282,22 @@ class BatchingEngine:
 
     def prefill(self, prompt: Prompt) -> PrefillHandle:
         return self.submit_prefill(prompt).result()
+
+
+def gather_requests(futures: Sequence[Future], *, return_exceptions: bool = False) -> list:
+    """The results of requests, in order, once all are done: a failed one holds its error with
+    ``return_exceptions``, else the first error is raised."""
+    results: list = []
+    for f in futures:
+        try:
+            results.append(f.result())
+        except Exception as exc:  # noqa: BLE001 - reported per request
+            results.append(exc)
+    if not return_exceptions:
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+    return results
 
 
 def failed_future(exc: BaseException) -> Future:

@@ -21,7 +21,7 @@ from distributed import Future, Queue, get_worker, worker_client
 from daskllm.annotations import PMAP_TASK
 from daskllm.streaming.stages import ANCESTRY, ItemError, PmapSpec, StreamError, format_ancestry
 from daskllm.streaming.wire import Source, queue_name, stream_id
-from daskllm.worker.host import host
+from daskllm.worker.host import UNWANTED, host
 from daskllm.worker.usage import TaskUsage
 
 class _Item:
@@ -335,4 +335,4 @@ def _cancelled(task_key: str) -> bool:
         ts = get_worker().state.tasks.get(task_key)
     except Exception:  # noqa: BLE001 - not in a worker
         return False
-    return ts is None or ts.state in ("cancelled", "released", "forgotten")
+    return ts is None or ts.state in UNWANTED

@@ -30,6 +30,7 @@ from distributed.core import Status
 from distributed.diagnostics import nvml
 
 from daskllm.engines import KINDS, Engine, EngineSpec
+from daskllm.engines.protocol import gather_requests
 from daskllm.models import is_cross_encoder, model_name, resolve
 from daskllm.worker.usage import UsageLog
 
@@ -42,7 +43,7 @@ class EngineLoadError(RuntimeError):
     """A configured model could not be loaded; the worker keeps no engine at all."""
 
 
-_UNWANTED = ("cancelled", "released", "forgotten")  # worker task states: nobody will read the result
+UNWANTED = ("cancelled", "released", "forgotten")  # worker task states: nobody will read the result
 
 
 class EngineHost(WorkerPlugin):
@@ -150,7 +151,7 @@ class EngineHost(WorkerPlugin):
                     del self._aborts[task_key]
 
     def transition(self, key, start, finish, **kwargs) -> None:
-        if finish in _UNWANTED and key in self._aborts:
+        if finish in UNWANTED and key in self._aborts:
             for abort in self._aborts.pop(key):
                 try:
                     abort()
@@ -328,7 +329,7 @@ def _wanted(task_key: str) -> bool:
         ts = get_worker().state.tasks.get(task_key)
     except ValueError:
         return True
-    return ts is None or ts.state not in _UNWANTED  # None: not a task of this worker's (nothing to cancel)
+    return ts is None or ts.state not in UNWANTED  # None: not a task of this worker's (nothing to cancel)
 
 
 def wait_requests(task_key: str, futures: list[Future], *, return_exceptions: bool = False) -> list:
@@ -341,17 +342,7 @@ def wait_requests(task_key: str, futures: list[Future], *, return_exceptions: bo
             f.cancel()
 
     with host().abortable(task_key, cancel):
-        out = []
-        for f in futures:
-            try:
-                out.append(f.result())
-            except Exception as exc:  # noqa: BLE001 - reported per request
-                out.append(exc)
-    if not return_exceptions:
-        for r in out:
-            if isinstance(r, BaseException):
-                raise r
-    return out
+        return gather_requests(futures, return_exceptions=return_exceptions)
 
 
 def default_num_threads(workers_on_this_machine: int) -> int:
