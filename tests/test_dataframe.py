@@ -13,7 +13,8 @@ import pyarrow as pa
 import pytest
 
 import daskllm
-from daskllm.dataframe import Budget, BudgetExceeded, Op, RowError, _costs, _extract_fields, _template, _yes_no
+from daskllm.dataframe import Budget, BudgetExceeded, Op, RowError
+from daskllm.dataframe.ops import costs as _costs, extract_fields as _extract_fields, full_template as _template, yes_no as _yes_no
 from daskllm.engines import SamplingParams
 from daskllm.prompts import Slot, parse_template
 

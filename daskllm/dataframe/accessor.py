@@ -1,0 +1,218 @@
+"""The ``.llm`` accessors on dask dataframes and series: each operator builds a lazy plan of
+render, distinct, call and lookup steps (see the package docstring)."""
+
+from __future__ import annotations
+
+import pandas as pd
+from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
+
+from daskllm import api
+from daskllm.budget import Budget
+from daskllm.dataframe.calls import call, summarize_chunk, summarize_parts
+from daskllm.dataframe.joins import sim_join
+from daskllm.dataframe.ops import CASTS, DTYPES, KEY, STRING, Op, yes_no
+from daskllm.dataframe.rows import lookup, pair_keys, render
+from daskllm.engines import SamplingParams
+from daskllm.prompts import Slot, parse_template, tokenizer_for
+from daskllm.retrieval import ShardedIndex
+from daskllm.runtime.view import check_served, take_view
+
+@register_dataframe_accessor("llm")
+class LLMAccessor:
+    """``ddf.llm.map / filter / extract / embed / search / rerank / sim_join / topk / agg``."""
+
+    def __init__(self, ddf):
+        self._ddf = ddf
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _slots(self, template: str) -> tuple:
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"template must be a non-empty str, got {template!r}")
+        slots = tuple(dict.fromkeys(s.name for s in parse_template(template) if isinstance(s, Slot)))
+        missing = [s for s in slots if s not in self._ddf.columns]
+        if missing:
+            raise KeyError(f"template fields {missing} are not columns; columns are {list(self._ddf.columns)}")
+        return slots
+
+    def _results(self, keys, op: Op, slots: tuple, on_error: str):
+        """Per row (aligned with ``keys``): value and error, each distinct input computed once."""
+        if on_error not in ("raise", "null"):
+            raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
+        frame = self._ddf[list(slots)].assign(**{KEY: keys}) if slots else keys.to_frame()
+        # A task-based shuffle: P2P's per-shuffle bookkeeping (and its log lines) costs more than
+        # it saves on a column of short prompt strings.
+        distinct = frame.dropna(subset=[KEY]).drop_duplicates(subset=[KEY], shuffle_method="tasks")
+        meta = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
+                             "error": pd.Series([], dtype=STRING)})
+        table = distinct.map_partitions(call, op, slots, meta=meta).repartition(npartitions=1)
+        meta = pd.DataFrame({"value": pd.Series([], dtype=object), "error": pd.Series([], dtype=STRING)})
+        return keys.map_partitions(lookup, table, op.name, on_error, meta=meta)
+
+    def _with(self, results, out: str, on_error: str, dtype):
+        assigned = {out: results["value"].astype(dtype) if dtype is not None else results["value"]}
+        if on_error == "null":
+            assigned[f"{out}_error"] = results["error"]
+        return self._ddf.assign(**assigned)
+
+    @staticmethod
+    def _sampling(max_tokens, temperature=0.0, seed=None, stop=(), ignore_eos=False) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop,
+                              ignore_eos=ignore_eos)
+
+    def _model(self, model, kind: str = "llm"):
+        model = api.default_model(model, "llm" if kind == "llm" else "embed")
+        check_served(take_view(), {(kind, model)})  # here, not as an error on every row
+        return model
+
+    @staticmethod
+    def _chat(model: str, chat: bool | None) -> bool:
+        """Chat unless told otherwise, where the model has a chat template: an instruction-tuned
+        model answers a user message, and often nothing at all to bare text."""
+        if chat is not None:
+            return bool(chat)
+        return tokenizer_for(model).has_chat_template
+
+    # -- operators ---------------------------------------------------------------------------
+
+    def map(self, template: str, *, model: str | None = None, max_tokens: int = 64, out: str = "llm_output",
+            on_error: str = "raise", budget: Budget | None = None, temperature: float = 0.0,
+            seed: int | None = None, stop=(), ignore_eos: bool = False, chat: bool | None = None):
+        """A new text column ``out``: the model's answer to ``template`` filled from each row."""
+        slots = self._slots(template)
+        model = self._model(model)
+        op = Op("generate", model, "map", template, self._sampling(max_tokens, temperature, seed, stop, ignore_eos),
+                budget=budget, chat=self._chat(model, chat))
+        keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
+        return self._with(self._results(keys, op, slots, on_error), out, on_error, STRING)
+
+    def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
+               budget: Budget | None = None, chat: bool | None = None):
+        """The rows the model judges true: its answer to ``predicate`` is constrained to yes/no.
+        With ``on_error="null"`` a row that cannot be judged is dropped."""
+        slots = self._slots(predicate)
+        model = self._model(model)
+        yes_no(model)  # fail here if the model cannot say yes or no
+        op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
+                chat=self._chat(model, chat))
+        keys = self._ddf.map_partitions(render, predicate, slots, meta=(KEY, STRING))
+        results = self._results(keys, op, slots, on_error)
+        return self._ddf[results["value"].fillna(False).astype(bool)]
+
+    def extract(self, template: str, fields: dict, *, model: str | None = None, max_tokens: int = 128,
+                on_error: str = "raise", budget: Budget | None = None, chat: bool | None = None):
+        """Structured output: one column per field (``{"name": str, "year": int}``), parsed from a
+        JSON object the model writes."""
+        slots = self._slots(template)
+        if not fields:
+            raise ValueError("extract: fields must name at least one output column")
+        names = {t if isinstance(t, str) else getattr(t, "__name__", "") for t in fields.values()}
+        if not names <= set(CASTS):
+            raise ValueError(f"extract: field types must be among {sorted(CASTS)}, got {fields!r}")
+        spec = tuple((f, t if isinstance(t, str) else t.__name__) for f, t in fields.items())
+        model = self._model(model)
+        op = Op("extract", model, "extract", template, SamplingParams(max_tokens=max_tokens),
+                fields=spec, budget=budget, chat=self._chat(model, chat))
+        keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
+        results = self._results(keys, op, slots, on_error)
+        columns = {}
+        for name, kind in spec:
+            columns[name] = results["value"].map(lambda v, n=name: None if v is None else v[n],
+                                                 meta=(name, object)).astype(DTYPES[kind])
+        if on_error == "null":
+            columns["extract_error"] = results["error"]
+        return self._ddf.assign(**columns)
+
+    def embed(self, column: str, *, model: str | None = None, out: str | None = None):
+        """A column of embedding vectors (numpy arrays) of a text column."""
+        self._column(column)
+        op = Op("embed", self._model(model, "embed"), "embed")
+        keys = self._ddf[column].astype(STRING).rename(KEY)
+        return self._with(self._results(keys, op, (), "raise"), out or f"{column}_embedding", "raise", None)
+
+    def search(self, index, column: str, *, k: int = 5, out: str | None = None):
+        """A column of the ``k`` nearest documents (dicts of id, score, text) for each row's text."""
+        if not isinstance(index, ShardedIndex):
+            raise TypeError(f"search: index must be a ShardedIndex, got {type(index).__name__}")
+        self._column(column)
+        op = Op("search", index.embedder, "search", index=index.detached(), k=k)
+        keys = self._ddf[column].astype(STRING).rename(KEY)
+        return self._with(self._results(keys, op, (), "raise"), out or f"{column}_hits", "raise", None)
+
+    def rerank(self, query_column: str, docs_column: str, *, k: int | None = None, model: str | None = None,
+               out: str | None = None):
+        """A column of each row's documents (a list of str) reordered by relevance to its query,
+        the ``k`` best first."""
+        self._column(query_column)
+        self._column(docs_column)
+        op = Op("rerank", self._model(model, "rerank"), "rerank", k=k)
+        keys = self._ddf[[query_column, docs_column]].map_partitions(pair_keys, meta=(KEY, STRING))
+        return self._with(self._results(keys, op, (), "raise"), out or f"{docs_column}_reranked", "raise", None)
+
+    def sim_join(self, other, left_on: str, right_on: str, *, k: int = 1, model: str | None = None,
+                 suffixes: tuple[str, str] = ("", "_right")):
+        """Each row of this table joined to the ``k`` rows of ``other`` whose ``right_on`` text is
+        most similar to its ``left_on`` text (cosine of embeddings), with a ``similarity`` column.
+        ``other`` is embedded once and broadcast to this table's partitions."""
+        self._column(left_on)
+        other.llm._column(right_on)
+        left = self.embed(left_on, model=model, out="_daskllm_left_vec")
+        right = other.llm.embed(right_on, model=model, out="_daskllm_right_vec").repartition(npartitions=1)
+        meta = sim_join(left._meta, right._meta, k, suffixes)
+        return left.map_partitions(sim_join, right, k, suffixes, meta=meta)
+
+    def topk(self, criterion: str, k: int, *, model: str | None = None, out: str = "rating",
+             budget: Budget | None = None, chat: bool | None = None):
+        """The ``k`` rows that best meet ``criterion`` (a template with ``{column}`` fields): the
+        model rates each row 0-9 (one token, constrained to digits), then Dask's tree reduction
+        ``nlargest`` keeps the best, ties in table order."""
+        slots = self._slots(criterion)
+        model = self._model(model)
+        op = Op("rate", model, "topk", criterion, SamplingParams(max_tokens=1), budget=budget,
+                chat=self._chat(model, chat))
+        keys = self._ddf.map_partitions(render, criterion, slots, meta=(KEY, STRING))
+        rated = self._with(self._results(keys, op, slots, "raise"), out, "raise", "int64")
+        return rated.nlargest(k, out)
+
+    def agg(self, template: str, *, model: str | None = None, max_tokens: int = 64, split_every: int = 8,
+            instruction: str = "Summarize the following in a few sentences:\n", chat: bool | None = None):
+        """One text summarizing the whole table, map-reduce style (Dask's tree reduction): each
+        partition's rows (``template`` filled per row) are summarized, then groups of
+        ``split_every`` summaries, until one is left. Returns a lazy dask scalar."""
+        slots = self._slots(template)
+        model = self._model(model)
+        options = dict(model=model, sampling=SamplingParams(max_tokens=max_tokens), instruction=instruction,
+                       chat=self._chat(model, chat))
+        keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
+        return keys.reduction(summarize_chunk, aggregate=summarize_parts, combine=summarize_parts,
+                              split_every=split_every, meta=(None, object), chunk_kwargs=options,
+                              aggregate_kwargs=options, combine_kwargs=options)
+
+    def _column(self, column: str) -> None:
+        if column not in self._ddf.columns:
+            raise KeyError(f"{column!r} is not a column; columns are {list(self._ddf.columns)}")
+
+
+@register_series_accessor("llm")
+class LLMSeriesAccessor:
+    """``series.llm.map / filter / embed``: the frame operators on a series' values, which
+    templates name by the series' name (``{text}`` for a series named ``text``)."""
+
+    def __init__(self, series):
+        if series.name is None:
+            raise ValueError("series.llm needs a named series (templates refer to it by name)")
+        self._series = series
+
+    def _frame(self):
+        return self._series.to_frame()
+
+    def map(self, template: str, **options):
+        out = options.pop("out", "llm_output")
+        return self._frame().llm.map(template, out=out, **options)[out]
+
+    def filter(self, predicate: str, **options):
+        return self._frame().llm.filter(predicate, **options)[self._series.name]
+
+    def embed(self, **options):
+        out = options.pop("out", None) or f"{self._series.name}_embedding"
+        return self._frame().llm.embed(self._series.name, out=out, **options)[out]

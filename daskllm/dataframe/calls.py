@@ -1,0 +1,136 @@
+"""One batched daskllm call per partition of distinct inputs, planned and submitted from its task."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pandas as pd
+from distributed import worker_client
+from distributed.worker import thread_state
+
+from daskllm import api
+from daskllm.api import batch
+from daskllm.budget import Budget
+from daskllm.dataframe.ops import KEY, STRING, Op, costs, digits, literal, parse, full_template, yes_no
+from daskllm.engines import SamplingParams
+from daskllm.runtime import collection, submit
+from daskllm.worker.host import host, in_worker
+from daskllm.worker.usage import DATAFRAME, TaskUsage
+
+def call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
+    """Run ``op`` on a partition of distinct inputs: one batched daskllm call, from this task."""
+    empty = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
+                          "error": pd.Series([], dtype=STRING)})
+    if distinct.empty:
+        return empty
+    distinct = distinct.sort_values(KEY)  # shared prefixes next to each other
+    keys = distinct[KEY].tolist()
+    cost = costs(distinct, op)
+    errors: dict[int, str] = {i: c for i, c in enumerate(cost) if isinstance(c, str)}
+    if op.budget is not None:
+        errors.update(reserve(op.budget, {i: c for i, c in enumerate(cost) if isinstance(c, int)}))
+    todo = [i for i in range(len(keys)) if i not in errors]
+    values: list = [None] * len(keys)
+    started = time.time()
+    children, requested = [], {}
+    if todo:
+        node = call_node(distinct.iloc[todo], op, slots)
+        try:
+            outputs, plan = compute_nested(node)
+            outputs = outputs if node.batched else [outputs]  # a template without fields: one prompt
+            children, requested = plan_keys(plan), plan.report.get("requested", {})
+        except Exception as exc:  # noqa: BLE001 - every row of this batch gets the reason
+            outputs = None
+            for i in todo:
+                errors[i] = f"{type(exc).__name__}: {exc}"
+        if outputs is not None:
+            for i, out in zip(todo, outputs):
+                try:
+                    values[i] = parse(out, op)
+                except ValueError as exc:
+                    errors[i] = str(exc)
+    record(op.name, distinct=len(keys), executed=len(todo), failed=len(errors), children=children,
+            requested=requested, started=started)
+    return pd.DataFrame({KEY: pd.Series(keys, dtype=STRING), "value": pd.Series(values, dtype=object),
+                         "error": pd.Series([errors.get(i) for i in range(len(keys))], dtype=STRING)})
+
+
+def reserve(budget: Budget, needs: dict[int, int]) -> dict[int, str]:
+    """Reserve the partition's calls (tokens each, by input) in one step; the refused ones' errors."""
+    if not needs:
+        return {}
+    grant = budget.reserve(list(needs.values()))
+    return {i: (f"budget exhausted ({grant.tokens_used} of {budget.tokens} tokens, {grant.calls_used} of "
+                f"{budget.calls} calls used; this call needs {tokens} tokens)")
+            for (i, tokens), ok in zip(needs.items(), grant.granted) if not ok}
+
+
+
+def call_node(rows: pd.DataFrame, op: Op, slots: tuple):
+    """The daskllm call for these rows: one batched node (a builder call) per operator."""
+    if op.kind == "embed":
+        return api.embed(batch(rows[KEY].tolist()), model=op.model)
+    if op.kind == "search":
+        return api.search(op.index, batch(rows[KEY].tolist()), k=op.k)
+    if op.kind == "rerank":
+        pairs = [json.loads(k) for k in rows[KEY]]
+        return api.rerank(batch([q for q, _ in pairs]), batch([d for _, d in pairs]), k=op.k, model=op.model)
+    template = full_template(op)
+    values = {s: batch(rows[s].tolist()) for s in slots}
+    if not slots:
+        values = {}
+    p = api.chat([{"role": "user", "content": template}], **values) if op.chat else api.prompt(template, **values)
+    s = op.sampling
+    allowed = yes_no(op.model) if op.kind == "filter" else digits(op.model) if op.kind == "rate" else ()
+    return api.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=allowed)
+
+
+
+def compute_nested(node):
+    """Compute a daskllm node from inside a task: planned here, placed by the scheduler plugin."""
+    if not in_worker():
+        return collection.compute(node)[0], submit.plan([node])
+    with worker_client(separate_thread=True) as client:
+        submission = submit.plan_and_submit([node], client)
+        future = submission.futures[0]
+        # If this partition's task is cancelled (the job was), so is the LLM work it started.
+        with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, [future])):
+            return future.result(), submission.lowered
+
+
+def plan_keys(plan) -> list:
+    return plan.task_keys()
+
+
+def record(operator: str, *, children=(), **record) -> None:
+    host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = TaskUsage(DATAFRAME, operator=operator,
+                                                                          children=tuple(children), **record)
+
+
+
+def summarize(texts: list[str], model: str, sampling: SamplingParams, instruction: str, chat: bool) -> str:
+    if not texts:
+        return ""
+    # The instruction first: every summary call of the tree shares it as a cached prefix.
+    rows = "\n".join(texts)  # a value, not template text: rows may hold braces
+    if chat:
+        p = api.chat([{"role": "user", "content": literal(instruction) + "{rows}"}],
+                         rows=rows)
+    else:
+        p = api.prompt(literal(instruction) + "{rows}\nSummary:", rows=rows)
+    node = api.generate(p, model=model, max_tokens=sampling.max_tokens)
+    summary, plan = compute_nested(node)
+    record("agg", distinct=1, executed=1, failed=0, children=plan_keys(plan),
+            requested=plan.report.get("requested", {}), rows=len(texts))
+    return summary
+
+
+def summarize_chunk(keys: pd.Series, model, sampling, instruction, chat) -> str:
+    return summarize([k for k in keys if isinstance(k, str)], model, sampling, instruction, chat)
+
+
+def summarize_parts(parts, model, sampling, instruction, chat) -> str:
+    return summarize([p for p in parts if p], model, sampling, instruction, chat)

@@ -1,0 +1,152 @@
+"""What each operator asks the model and how its answer is read: the operator record, the
+instruction suffixes, answer constraints, output parsing and per-call token costs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+
+import pandas as pd
+import pyarrow as pa
+
+from daskllm.budget import Budget
+from daskllm.engines import SamplingParams
+from daskllm.models import resolve
+from daskllm.prompts import Text, parse_template, render_value, tokenizer_for
+
+STRING = pd.ArrowDtype(pa.string())
+KEY = "_daskllm_key"
+
+
+class RowError(ValueError):
+    """A row's LLM call failed; the message names the row's index."""
+
+
+class BudgetExceeded(RowError):
+    """A budget would be exceeded: the work was not started."""
+
+
+# --- operators -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """One LLM operator: what each distinct input becomes. Picklable: it travels to workers."""
+
+    kind: str  # generate | filter | extract | embed | search
+    model: str
+    name: str  # for usage and errors: map, filter, extract, embed, search
+    template: str | None = None
+    sampling: SamplingParams | None = None
+    fields: tuple = ()  # extract: (name, type name)
+    index: object = None  # search: a detached ShardedIndex
+    k: int = 5
+    budget: Budget | None = None
+    chat: bool = False  # the prompt goes to the model as a user message in its chat template
+
+
+
+@functools.cache
+def max_len(model: str) -> int:
+    config = json.loads((resolve(model) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+
+def costs(distinct: pd.DataFrame, op: Op) -> list:
+    """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
+    if op.kind in ("embed", "search", "rerank"):
+        return [None] * len(distinct)
+    tok, limit = tokenizer_for(op.model), max_len(op.model)
+    # The ids the engine will see: the whole prompt string, tokenized as daskllm prompts are.
+    segments = parse_template(full_template(op))
+    out = []
+    for row in distinct.to_dict("records"):
+        text = "".join(seg.text if isinstance(seg, Text) else render_value(row[seg.name]) for seg in segments)
+        if op.chat:
+            text = tok.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                     add_generation_prompt=True)
+        n = len(tok.encode(text, not op.chat))
+        if n + 1 > limit:
+            out.append(f"prompt has {n} tokens; model {op.model!r} holds at most {limit} including one generated")
+        else:
+            out.append(n + op.sampling.max_tokens)
+    return out
+
+
+
+def full_template(op: Op) -> str:
+    """The prompt template a call really uses: the user's, plus the operator's instruction."""
+    # Field names are data (JSON keys), never template fields: a name like "{n}" is text.
+    return op.template + SUFFIX.get(op.kind, "").format(fields=", ".join(literal(f) for f, _ in op.fields))
+
+
+def literal(text: str) -> str:
+    """``text`` as template text that stands for itself: its braces are escaped."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+SUFFIX = {"filter": "\nAnswer yes or no:",
+           "extract": "\nAnswer with one JSON object with the keys {fields}:\n",
+           "rate": "\nRate this from 0 (not at all) to 9 (fully), one digit:"}
+
+
+@functools.cache
+def yes_no(model: str) -> tuple[int, ...]:
+    """The tokens a filter's answer may start with: yes or no, nothing else."""
+    return tokenizer_for(model).answer_tokens(("yes", "no"))
+
+
+@functools.cache
+def digits(model: str) -> tuple[int, ...]:
+    """The tokens a rating may start with: the digits 0-9, nothing else."""
+    return tokenizer_for(model).answer_tokens(tuple(str(d) for d in range(10)))
+
+
+def parse(output, op: Op):
+    if op.kind == "filter":
+        return output.strip().lower().startswith("y")
+    if op.kind == "rate":
+        return int(output.strip()[:1])
+    if op.kind == "extract":
+        return extract_fields(output, op.fields)
+    if op.kind == "search":
+        return [{"id": int(h.id), "score": float(h.score), "text": h.text} for h in output]
+    return output
+
+
+def extract_fields(text: str, fields: tuple) -> dict:
+    snippet = text.strip()[:80]
+    starts = [m.start() for m in re.finditer(r"\{", text)]
+    if not starts:
+        raise ValueError(f"output has no JSON object: {snippet!r}")
+    # The first complete object: a key or value may hold braces ('{"{n}": 1}'), so the object
+    # ends where JSON says, not at the first "}".
+    first_error, obj = None, None
+    for start in starts:
+        try:
+            obj, _ = _JSON.raw_decode(text, start)
+        except json.JSONDecodeError as exc:
+            first_error = first_error or exc
+            continue
+        if isinstance(obj, dict):
+            break
+        obj = None
+    if obj is None:
+        raise ValueError(f"output does not parse as JSON ({first_error}): {snippet!r}")
+    out = {}
+    for name, kind in fields:
+        if name not in obj:
+            raise ValueError(f"output has no field {name!r}: {snippet!r}")
+        try:
+            out[name] = CASTS[kind](obj[name])
+        except (TypeError, ValueError):
+            raise ValueError(f"field {name!r} is not {kind}: {obj[name]!r}") from None
+    return out
+
+
+_JSON = json.JSONDecoder()
+CASTS = {"str": str, "int": int, "float": float, "bool": bool}
+DTYPES = {"str": STRING, "int": "Int64", "float": "Float64", "bool": "boolean"}
