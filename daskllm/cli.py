@@ -14,6 +14,7 @@ from daskllm import demo as demo_job
 from daskllm.cluster import DASHBOARD_ADDRESS
 from daskllm.datasets import catalog, load
 from daskllm.models import cache_dir, list_recipes, resolve
+from daskllm.worker.store import open_store
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,6 +84,31 @@ def models_build(names):
     """Build (or find cached) recipe models and print their directories."""
     for name in names:
         click.echo(f"{name}: {resolve(name)}")
+
+
+@main.group()
+def cache():
+    """The persistent result store (daskllm.result-store): results of deterministic calls on disk."""
+
+
+@cache.command("info")
+def cache_info():
+    """Where the store is, its entries, its size on disk and its limit."""
+    info = open_store(enabled=True).info()
+    click.echo(f"location: {info['path']}")
+    click.echo(f"enabled: {'yes' if info['enabled'] else 'no (daskllm.result-store.enabled: false)'}")
+    click.echo(f"entries: {info['entries']}")
+    click.echo(f"size on disk: {info['size_bytes']:,} bytes")
+    click.echo(f"limit: {info['size_limit']:,} bytes")
+
+
+@cache.command("clear")
+def cache_clear():
+    """Remove every stored result."""
+    store = open_store(enabled=True)
+    entries = store.info()["entries"]
+    store.clear()
+    click.echo(f"cleared {store.path}: {entries} entries removed")
 
 
 @main.group()

@@ -254,6 +254,9 @@ class ShardedIndex:
 
     def drop(self) -> None:
         self.client.run(drop_shards, self.name)
+        # Its contents are gone: results remembered for them must never answer a search of it again.
+        self.version = uuid.uuid4().hex
+        self.sizes = [0] * len(self.sizes)
 
     def detached(self) -> ShardedIndex:
         """This handle without its client: what travels into tasks (and hashes the same everywhere)."""

@@ -59,6 +59,19 @@ def mechanics_use_tiny() -> Iterator[None]:
             yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def result_store_off(tmp_path_factory) -> Iterator[None]:
+    """Tests count executed calls: the persistent result store is off unless a test switches it
+    on (tests/test_result_store.py), and never points at the user's own store (the variables
+    reach worker processes and subprocesses too)."""
+    path = str(tmp_path_factory.mktemp("daskllm-results"))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("DASK_DASKLLM__RESULT_STORE__ENABLED", "False")
+        monkeypatch.setenv("DASK_DASKLLM__RESULT_STORE__PATH", path)
+        with dask.config.set({"daskllm.result-store.enabled": False, "daskllm.result-store.path": path}):
+            yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_model_dir(daskllm_cache) -> pathlib.Path:
     """The real model, SmolLM2-135M-Instruct, converted once into the shared cache."""

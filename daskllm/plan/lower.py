@@ -32,7 +32,7 @@ from daskllm.plan import collector
 from daskllm.plan.context import ClusterView, PlanOptions, decision, depths, state
 from daskllm.plan.items import hashes, items
 from daskllm.plan.ir import Dyn, Node, stable_hash
-from daskllm.worker.execute import Ref, assemble, off_thread
+from daskllm.worker.execute import Ref, assemble, off_thread, on_thread
 
 OUTPUT = "output"  # the layer of the tasks holding the requested nodes' values
 
@@ -137,7 +137,11 @@ class Lowering:
     def engine_task(self, key: str, fn, *args) -> Task:
         """A task whose function waits on an engine: off the worker's thread count unless
         ``release_threads`` is off (then it holds its thread, as a plain Dask task does)."""
-        return Task(key, off_thread, fn, *args) if self.options.release_threads else Task(key, fn, *args)
+        # result_cache=False: the persistent result store is off for this computation's calls too.
+        store = {} if dict(self.options.settings).get("result-cache", True) else {"store": False}
+        if self.options.release_threads:
+            return Task(key, off_thread, fn, *args, **store)
+        return Task(key, on_thread, fn, *args, **store) if store else Task(key, fn, *args)
 
     def add_graph(self, graph: HighLevelGraph) -> None:
         self.extra_graphs.append(graph)

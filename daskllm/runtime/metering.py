@@ -35,6 +35,8 @@ _lock = threading.Lock()
 class Usage:
     requested: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     executed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Calls answered from the persistent result store instead of executed, per op.
+    from_cache: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     prefill_tokens_computed: int = 0
     prefill_tokens_cached: int = 0
     decode_tokens: int = 0
@@ -64,7 +66,7 @@ class Usage:
         return self.prefill_tokens_computed + self.prefill_tokens_cached
 
     def as_dict(self) -> dict:
-        return {"requested": dict(self.requested), "executed": dict(self.executed),
+        return {"requested": dict(self.requested), "executed": dict(self.executed), "from_cache": dict(self.from_cache),
                 "prefill_tokens_computed": self.prefill_tokens_computed,
                 "prefill_tokens_cached": self.prefill_tokens_cached, "decode_tokens": self.decode_tokens,
                 "tasks": dict(self.tasks), "operators": dict(self.operators), "models": dict(self.models),
@@ -72,14 +74,15 @@ class Usage:
                 "planning_seconds": self.planning_seconds, "engines": dict(self.engines)}
 
     def __str__(self) -> str:
-        ops = sorted(set(self.requested) | set(self.executed))
-        lines = [f"{'op':<10}{'requested':>11}{'executed':>10}"]
-        lines += [f"{op:<10}{self.requested.get(op, 0):>11}{self.executed.get(op, 0):>10}" for op in ops]
+        ops = sorted(set(self.requested) | set(self.executed) | set(self.from_cache))
+        lines = [f"{'op':<10}{'requested':>11}{'executed':>10}{'from cache':>12}"]
+        lines += [f"{op:<10}{self.requested.get(op, 0):>11}{self.executed.get(op, 0):>10}"
+                  f"{self.from_cache.get(op, 0):>12}" for op in ops]
         lines.append(f"prefill tokens: {self.prefill_tokens_computed} computed, {self.prefill_tokens_cached} "
                      f"from cache; decode tokens: {self.decode_tokens}")
         for name, stats in self.operators.items():
             lines.append(f"ddf.llm.{name}: {stats['rows']} rows, {stats['distinct']} distinct inputs, "
-                         f"{stats['executed']} executed, {stats['failed']} failed")
+                         f"{stats['executed']} executed, {stats['from_cache']} from cache, {stats['failed']} failed")
         busy = ", ".join(f"{name} {e['count']} x {self.engine_busy()[name]:.0%}" for name, e in sorted(self.engines.items())
                          if e["busy_seconds"])
         lines.append(f"time: {self.wall_seconds:.2f} s wall, {self.planning_seconds:.2f} s planning here; "
@@ -102,6 +105,7 @@ class Usage:
                     tails[(record.model, tail_hash)] = tail_len
             if op == DECODE_TASK:
                 self.executed[GENERATE.name] += record.calls
+                self.from_cache[GENERATE.name] += record.from_cache
                 self.prefill_tokens_computed += record.computed_tokens
                 self.prefill_tokens_cached += record.cached_tokens
                 self.decode_tokens += record.decode_tokens
@@ -110,14 +114,19 @@ class Usage:
                 self.prefill_tokens_computed += record.computed_tokens
             elif op != DATAFRAME:
                 self.executed[op] += record.calls
+                self.from_cache[op] += record.from_cache
             if op in (PMAP_TASK, DATAFRAME):  # what the work it started asked for, lowered on a worker
                 for child_op, n in record.requested.items():
                     self.requested[child_op] += n
             if op == DATAFRAME:
                 stats = self.operators.setdefault(record.operator, {"rows": 0, "distinct": 0, "executed": 0,
-                                                                    "failed": 0})
-                for k in stats:
+                                                                    "from_cache": 0, "failed": 0})
+                for k in ("rows", "distinct", "executed", "failed"):
                     stats[k] += getattr(record, k)
+                # Distinct inputs its nested calls took from the result store (they are not executed).
+                cached = sum(records[c].from_cache for c in record.children if c in records)
+                stats["from_cache"] += cached
+                stats["executed"] -= cached
         if blocks or tails:
             bs = config.get("engine.block-size")
             for model, per_model in self.models.items():

@@ -12,6 +12,8 @@ joined and tokenized whole, with the tokenizer's special tokens when ``special``
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,8 +34,11 @@ from daskllm.worker.consumer import Consumer
 from daskllm.worker.failures import NullInput, Origins, attempt, failed, merge, ok, raise_others
 from daskllm.worker.host import get_engine, host, in_worker, wait_requests
 from daskllm.worker.indexes import merge_shards, search_shard
+from daskllm.worker.store import ResultStore, StoredCompletion, decode_key, open_store
 from daskllm.worker.streams import StreamWriter, stream_decode
 from daskllm.worker.usage import TaskUsage
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +73,70 @@ def _tokens(call, deps, engine) -> list[int]:
     return list(encode_parts(text, special, lambda t, s: engine.tokenize(t, add_special_tokens=s)))
 
 
-def off_thread(fn, *args):
+def off_thread(fn, *args, store: bool = True):
     """Run the task ``fn(*args)``, which mostly waits on its engine, without holding a slot of
     the worker's thread pool (Dask's ``secede``): the worker starts other tasks meanwhile and
     their requests join the same engine steps, so the engine's batch limit, not the thread
-    count, bounds a batch. The scheduler counts the task as long-running."""
+    count, bounds a batch. The scheduler counts the task as long-running. ``store=False``:
+    this computation asked for no result caching (``result_cache=False``)."""
     if getattr(thread_state, "key", None) is not None:  # a task thread on a worker
         secede()
-    return fn(*args)
+    return on_thread(fn, *args, store=store)
+
+
+_task = threading.local()
+
+
+def on_thread(fn, *args, store: bool = True):
+    """Run the task ``fn(*args)``; with ``store=False`` its calls neither read nor write the
+    persistent result store."""
+    _task.store_off = not store
+    try:
+        return fn(*args)
+    finally:
+        _task.store_off = False
+
+
+def task_store() -> ResultStore | None:
+    """The persistent result store for the running task's calls, or None (switched off)."""
+    if getattr(_task, "store_off", False):
+        return None
+    try:
+        return open_store()
+    except Exception as exc:  # noqa: BLE001 - the store is never a correctness dependency
+        logger.warning("result store unavailable, computing without it: %s", exc)
+        return None
+
+
+def _lookup_decodes(store: ResultStore | None, engine, prompts: list, sampling: SamplingParams):
+    """Each prompt's content key (None: not stored) and stored result (None: not found)."""
+    path = getattr(engine, "path", None)
+    if store is None or path is None or not sampling.deterministic:
+        return [None] * len(prompts), [None] * len(prompts)
+    try:
+        identity = store.model_identity(path)
+        keys = [decode_key(identity, p, sampling) for p in prompts]
+        return keys, store.get_many(keys)
+    except Exception as exc:  # noqa: BLE001 - a broken store costs recomputation, never the call
+        logger.warning("result store lookup failed, computing: %s", exc)
+        return [None] * len(prompts), [None] * len(prompts)
+
+
+def _store_when_done(store: ResultStore, key: str | None, future) -> None:
+    """Write a call's result the moment it finishes, so a run killed later keeps it."""
+    if key is None:
+        return
+
+    def put(f):
+        if f.cancelled() or f.exception() is not None:
+            return
+        c = f.result()
+        try:
+            store.put(key, StoredCompletion(c.text, tuple(c.token_ids), c.finish_reason))
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("result store write failed: %s", exc)
+
+    future.add_done_callback(put)
 
 
 def _record(task_key: str, op: str, **counters) -> None:
@@ -107,9 +168,19 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Ori
     engine = get_engine(model)
     prompts = attempt(lambda call: _tokens(call, deps, engine), items)
     runnable = ok(prompts)
-    completions = raise_others(wait_requests(task_key, engine.submit_many(runnable, sampling), return_exceptions=True) if runnable else [])
-    _record_decode(task_key, model, ok(completions))
-    return origins.settle(merge(prompts, [c if failed(c) else c.text for c in completions]))
+    store = task_store()
+    keys, stored = _lookup_decodes(store, engine, runnable, sampling)
+    todo = [j for j, s in enumerate(stored) if s is None]
+    futures = engine.submit_many([runnable[j] for j in todo], sampling) if todo else []
+    if store is not None:
+        for j, f in zip(todo, futures):
+            _store_when_done(store, keys[j], f)
+    completions = raise_others(wait_requests(task_key, futures, return_exceptions=True) if todo else [])
+    _record_decode(task_key, model, ok(completions), from_cache=len(runnable) - len(todo))
+    texts = [s.text if s is not None else None for s in stored]
+    for j, c in zip(todo, completions):
+        texts[j] = c if failed(c) else c.text
+    return origins.settle(merge(prompts, texts))
 
 
 def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split: Splitter, channels: list, items: list,

@@ -32,6 +32,7 @@ class TaskUsage:
     prompt_blocks: tuple = ()
     streamed: bool = False  # a decode that sent its items to consumers as they were cut
     pairs: int = 0  # rerank: (query, document) pairs scored
+    from_cache: int = 0  # calls answered from the persistent result store (not in ``calls``: not executed)
     # pmap and dataframe operators: the work they started.
     requested: dict[str, int] = field(default_factory=dict)
     children: tuple[str, ...] = ()

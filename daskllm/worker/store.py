@@ -1,0 +1,175 @@
+"""The persistent result store: deterministic engine calls' results on disk, by content.
+
+Every worker task that calls an engine (decode, embed) looks each call up here before
+submitting it and writes each result right after computing it, so graphs and table jobs
+share it, a second run of a job executes nothing, and a run that died resumes from what
+its finished tasks wrote. A call's key is its content, never its place in a plan:
+
+    key = sha256(model identity, exact prompt token ids (or text), every SamplingParams field)
+
+The model identity is a digest of the model directory's files (weights, config, tokenizer),
+computed once per process and remembered in the store by (path, size, mtime) of each file,
+so a changed model never answers from an old one's results. Only deterministic calls
+(greedy, or sampled with a seed) are stored.
+
+Values live in a ``diskcache.Cache`` (SQLite index plus files; safe across the processes of
+one machine) at ``daskllm.result-store.path`` (default: ``<daskllm cache dir>/results``),
+bounded by ``daskllm.result-store.size-limit`` bytes (least recently stored go first).
+Each machine has its own store unless the path points at storage its workers share; diskcache
+relies on SQLite locking, which network filesystems (NFS) may not honour, so a shared path
+should be a local or cluster filesystem with working POSIX locks.
+
+API (client and worker alike):
+
+- :func:`open_store` -> :class:`ResultStore` or None (switched off)
+- :func:`decode_key` / :func:`embed_key`, and ``store.get(key)`` / ``store.put(key, value)``
+- :func:`is_stored` (model, prompt token ids, sampling) -> bool, without loading the value:
+  what a cost preview asks
+- ``store.info()`` / ``store.clear()``: what ``daskllm cache info`` / ``clear`` print and do
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import diskcache
+
+from daskllm import config
+from daskllm.engines import SamplingParams
+from daskllm.models import cache_dir, resolve
+
+_MODEL_DIGESTS = "model-digest"  # entries remembering a model directory's digest, not results
+_FORMAT = 1  # bump when a stored value's layout changes: old entries are then never read
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCompletion:
+    """What a decode call's entry holds: enough to answer it and to count its tokens."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+def default_path() -> pathlib.Path:
+    return cache_dir() / "results"
+
+
+def store_path() -> pathlib.Path:
+    configured = config.get("result-store.path")
+    return pathlib.Path(configured).expanduser() if configured else default_path()
+
+
+class ResultStore:
+    """A diskcache at ``path``: content key -> result."""
+
+    def __init__(self, path: pathlib.Path, size_limit: int):
+        self.path = pathlib.Path(path)
+        self.size_limit = int(size_limit)
+        self._cache = diskcache.Cache(str(self.path), size_limit=self.size_limit)
+        self._digests: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str):
+        return self._cache.get(key)
+
+    def get_many(self, keys: Sequence[str | None]) -> list:
+        """The stored value of each key (None: not stored, or no key)."""
+        return [None if k is None else self._cache.get(k) for k in keys]
+
+    def put(self, key: str, value) -> None:
+        self._cache.set(key, value)
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is stored, without reading its value."""
+        return key in self._cache
+
+    def model_identity(self, model_dir: str | os.PathLike) -> str:
+        """A digest of every file under ``model_dir`` (names and bytes), remembered here by the
+        files' (path, size, mtime), so only a new or changed model is read again."""
+        root = pathlib.Path(model_dir).resolve()
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        stamp = tuple((str(p.relative_to(root)), st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()])
+        remembered_key = (_MODEL_DIGESTS, str(root), hashlib.sha256(repr(stamp).encode()).hexdigest())
+        with self._lock:
+            if remembered_key in self._digests:
+                return self._digests[remembered_key]
+        digest = self._cache.get(remembered_key)
+        if digest is None:
+            h = hashlib.sha256()
+            for p in files:
+                h.update(str(p.relative_to(root)).encode() + b"\0")
+                with p.open("rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        h.update(chunk)
+            digest = h.hexdigest()
+            self._cache.set(remembered_key, digest)
+        with self._lock:
+            self._digests[remembered_key] = digest
+        return digest
+
+    def info(self) -> dict:
+        """Location, entries (results), bytes on disk and the size limit."""
+        entries = sum(1 for k in self._cache.iterkeys() if not (isinstance(k, tuple) and k[:1] == (_MODEL_DIGESTS,)))
+        return {"path": str(self.path), "entries": entries, "size_bytes": self._cache.volume(),
+                "size_limit": self.size_limit, "enabled": bool(config.get("result-store.enabled"))}
+
+    def clear(self) -> int:
+        """Remove every entry; how many there were."""
+        return self._cache.clear()
+
+    def close(self) -> None:
+        self._cache.close()
+
+
+_stores: dict[tuple[str, int], ResultStore] = {}
+_stores_lock = threading.Lock()
+
+
+def open_store(*, enabled: bool | None = None) -> ResultStore | None:
+    """This process's store at the configured path, or None when the store is switched off
+    (``daskllm.result-store.enabled: false``; ``enabled=True`` opens it regardless, e.g. for
+    ``daskllm cache info``)."""
+    if not (config.get("result-store.enabled") if enabled is None else enabled):
+        return None
+    key = (str(store_path()), int(config.get("result-store.size-limit")))
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = ResultStore(pathlib.Path(key[0]), key[1])
+        return store
+
+
+def _sampling_fields(sampling: SamplingParams) -> list:
+    # Every field, by name: a field added later (a grammar, ...) is part of the key without a change here.
+    return [[f.name, repr(getattr(sampling, f.name))] for f in dataclasses.fields(sampling)]
+
+
+def decode_key(identity: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> str | None:
+    """A generation's content key; None for a call that is not deterministic (never stored)."""
+    if not sampling.deterministic:
+        return None
+    payload = json.dumps(["decode", _FORMAT, identity, list(map(int, prompt_ids)), _sampling_fields(sampling)])
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def embed_key(identity: str, text: str) -> str:
+    return hashlib.sha256(json.dumps(["embed", _FORMAT, identity, text]).encode()).hexdigest()
+
+
+def is_stored(model: str, prompt_ids: Sequence[int], sampling: SamplingParams,
+              store: ResultStore | None = None) -> bool:
+    """Whether a generation's result is in the store (of this machine's configured path),
+    without loading it: for cost previews. False when the store is off."""
+    store = store if store is not None else open_store()
+    if store is None:
+        return False
+    key = decode_key(store.model_identity(resolve(model)), prompt_ids, sampling)
+    return key is not None and store.contains(key)

@@ -1,0 +1,206 @@
+"""The persistent result store: content keys, a second run that executes nothing, resuming a
+run that was stopped halfway, ``result_cache=False``, ``daskllm cache info/clear``, and search
+results that never outlive their index's contents."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import dask
+import dask.dataframe as dd
+import pandas as pd
+import pytest
+
+import daskllm
+from daskllm.engines import SamplingParams
+from daskllm.retrieval import ShardedIndex
+from daskllm.worker.store import ResultStore, StoredCompletion, decode_key, embed_key, is_stored, open_store
+
+from helpers import cold_start
+
+TEMPLATE = "Answer in one line. Q: {q}\nA:"
+
+
+# --- keys and the store itself (no cluster) ---------------------------------------------------------
+
+
+def test_a_key_covers_the_model_the_exact_tokens_and_every_sampling_field():
+    base = decode_key("model-a", [1, 2, 3], SamplingParams(max_tokens=8))
+    assert base == decode_key("model-a", (1, 2, 3), SamplingParams(max_tokens=8))
+    others = [decode_key("model-b", [1, 2, 3], SamplingParams(max_tokens=8)),
+              decode_key("model-a", [1, 2, 3, 4], SamplingParams(max_tokens=8)),
+              decode_key("model-a", [1, 2, 3], SamplingParams(max_tokens=9)),
+              decode_key("model-a", [1, 2, 3], SamplingParams(max_tokens=8, stop=("\n",))),
+              decode_key("model-a", [1, 2, 3], SamplingParams(max_tokens=8, allowed_token_ids=(5, 6))),
+              decode_key("model-a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.5, seed=1)),
+              decode_key("model-a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.5, seed=2))]
+    assert len({base, *others}) == 1 + len(others)
+    assert embed_key("model-a", "text") != embed_key("model-a", "text ")
+
+
+def test_a_sampled_call_without_a_seed_has_no_key():
+    assert decode_key("m", [1], SamplingParams(temperature=0.7)) is None
+
+
+def test_model_identity_follows_the_files_and_is_remembered_on_disk(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"layers": 2}')
+    (model / "model.safetensors").write_bytes(b"\x00" * 1000)
+    store = ResultStore(tmp_path / "store", 10**8)
+    first = store.model_identity(model)
+    assert ResultStore(tmp_path / "store", 10**8).model_identity(model) == first  # another process: same digest
+    (model / "model.safetensors").write_bytes(b"\x01" * 1000)  # new weights, same size
+    os.utime(model / "model.safetensors", ns=(1, 1))
+    assert store.model_identity(model) != first
+
+
+def test_contains_answers_without_the_value_and_clear_empties(tmp_path):
+    store = ResultStore(tmp_path / "store", 10**8)
+    key = decode_key("m", [1, 2], SamplingParams())
+    assert not store.contains(key) and store.get(key) is None
+    store.put(key, StoredCompletion("hi", (5, 6), "length"))
+    assert store.contains(key) and store.get(key) == StoredCompletion("hi", (5, 6), "length")
+    assert store.info()["entries"] == 1
+    store.clear()
+    assert store.info()["entries"] == 0 and not store.contains(key)
+
+
+def test_the_size_limit_bounds_the_store(tmp_path):
+    store = ResultStore(tmp_path / "store", 200_000)
+    for i in range(100):
+        store.put(f"k{i}", "x" * 10_000)
+    store._cache.cull()
+    assert store.info()["size_bytes"] <= 200_000 + 64_000  # the limit, plus SQLite's own pages
+    assert store.info()["entries"] < 100
+
+
+def test_switched_off_there_is_no_store(tmp_path):
+    with dask.config.set({"daskllm.result-store.enabled": False, "daskllm.result-store.path": str(tmp_path)}):
+        assert open_store() is None
+        assert not is_stored("tiny", [1, 2], SamplingParams())
+
+
+def test_daskllm_cache_info_and_clear_through_the_cli(tmp_path):
+    env = {**os.environ, "DASK_DASKLLM__RESULT_STORE__PATH": str(tmp_path / "store")}
+    store = ResultStore(tmp_path / "store", 10**9)
+    for i in range(3):
+        store.put(decode_key("m", [i], SamplingParams()), StoredCompletion(str(i), (i,), "length"))
+    store.close()
+
+    def cli(*args) -> str:
+        return subprocess.run([sys.executable, "-m", "daskllm.cli", "cache", *args], env=env, capture_output=True,
+                              text=True, check=True, timeout=120).stdout
+
+    info = cli("info")
+    assert f"location: {tmp_path / 'store'}" in info
+    assert "entries: 3" in info and "limit: 4,000,000,000 bytes" in info and "size on disk:" in info
+    assert "3 entries removed" in cli("clear")
+    assert "entries: 0" in cli("info")
+
+
+# --- on a cluster --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("result-store")
+
+
+@pytest.fixture(scope="module")
+def client(llm_cluster, tiny_model_dir, store_path):
+    """Workers with the store switched on (the test session switches it off elsewhere)."""
+    settings = {"daskllm.result-store.enabled": True, "daskllm.result-store.path": str(store_path)}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("DASK_DASKLLM__RESULT_STORE__ENABLED", "True")
+        monkeypatch.setenv("DASK_DASKLLM__RESULT_STORE__PATH", str(store_path))
+        with dask.config.set(settings), llm_cluster(n_workers=2, threads_per_worker=2) as client:
+            yield client
+
+
+@pytest.fixture(autouse=True)
+def empty_store(request, store_path):
+    if "client" in request.fixturenames:
+        cold_start(request.getfixturevalue("client"))
+        ResultStore(store_path, 10**9).clear()
+
+
+def questions(n: int, tag: str) -> list[str]:
+    return [f"{tag} question number {i}: what is {i} plus {i}?" for i in range(n)]
+
+
+def table(qs: list[str], npartitions: int) -> dd.DataFrame:
+    return dd.from_pandas(pd.DataFrame({"q": qs}), npartitions=npartitions)
+
+
+def naive(qs: list[str], max_tokens: int) -> list[str]:
+    """The same prompts as one plain graph, with no result caching at all."""
+    p = daskllm.chat([{"role": "user", "content": TEMPLATE}], q=daskllm.batch(qs))
+    return daskllm.compute(daskllm.generate(p, max_tokens=max_tokens), result_cache=False)[0]
+
+
+def test_a_second_run_of_a_table_job_executes_no_call(client):
+    qs = questions(12, "rerun")
+    with daskllm.usage() as first:
+        a = table(qs, 3).llm.map(TEMPLATE, max_tokens=6).compute()
+    assert first.executed["generate"] == 12 and first.operators["map"]["from_cache"] == 0
+    with daskllm.usage() as second:
+        b = table(qs, 3).llm.map(TEMPLATE, max_tokens=6).compute()
+    assert second.executed.get("generate", 0) == 0 and second.from_cache["generate"] == 12
+    assert second.operators["map"]["executed"] == 0 and second.operators["map"]["from_cache"] == 12
+    assert second.decode_tokens == 0
+    pd.testing.assert_frame_equal(a, b)
+    assert b["llm_output"].tolist() == naive(qs, 6)  # token for token what the uncached calls give
+
+
+def test_a_run_stopped_halfway_resumes_with_what_it_had_finished(client, store_path):
+    qs = questions(48, "resume")
+    job = table(qs, 6).llm.map(TEMPLATE, max_tokens=24)
+    future = client.compute(job)
+    store = ResultStore(store_path, 10**9)
+    deadline = time.monotonic() + 120
+    while store.info()["entries"] < 3:  # some calls have finished (and been written): stop the run
+        assert time.monotonic() < deadline, "no call finished within 120 s"
+        time.sleep(0.05)
+    client.cancel([future])
+    # The stopped run's partition tasks wind down (their nested calls are cancelled) before the
+    # next run starts, so its usage block counts only the next run.
+    deadline = time.monotonic() + 120
+    while any(client.run(lambda dask_worker: len(dask_worker.state.tasks)).values()):
+        assert time.monotonic() < deadline, "the stopped run's tasks were still on the workers after 120 s"
+        time.sleep(0.05)
+    finished = store.info()["entries"]
+    with daskllm.usage() as u:
+        out = table(qs, 6).llm.map(TEMPLATE, max_tokens=24).compute()
+    stats = u.operators["map"]
+    assert stats["from_cache"] >= finished and stats["executed"] == 48 - stats["from_cache"] < 48
+    assert u.executed.get("generate", 0) == stats["executed"]
+    assert out["llm_output"].tolist() == naive(qs, 24)
+
+
+def test_result_cache_false_neither_reads_nor_writes_the_store(client, store_path):
+    node = daskllm.generate(daskllm.prompt("Say {x}", x=daskllm.batch(["one", "two", "three"])), max_tokens=5)
+    with daskllm.usage() as u:
+        expected = daskllm.compute(node, result_cache=False)[0]
+    assert u.executed["generate"] == 3 and ResultStore(store_path, 10**9).info()["entries"] == 0
+    daskllm.compute(node)  # stores them
+    cold_start(client)  # the client's in-memory cache forgets: only the store can answer now
+    with daskllm.usage() as u:
+        assert daskllm.compute(node, result_cache=False)[0] == expected
+    assert u.executed["generate"] == 3
+    with daskllm.usage() as u:
+        assert daskllm.compute(node)[0] == expected
+    assert u.executed.get("generate", 0) == 0 and u.from_cache["generate"] == 3
+
+
+def test_a_dropped_index_never_answers_from_remembered_results(client):
+    index = ShardedIndex.create(client, "dropped").ingest(["apples are red", "the sky is blue", "grass is green"])
+    before = index.version
+    assert daskllm.compute(daskllm.search(index, daskllm.batch(["what colour is the sky?"]), k=1))[0][0][0].id == 1
+    index.drop()
+    assert index.version != before
+    with pytest.raises(Exception, match="shard 0 is not on worker"):  # it searches the cluster, where the index is gone
+        daskllm.compute(daskllm.search(index, daskllm.batch(["what colour is the sky?"]), k=1))
