@@ -196,11 +196,20 @@ def test_result_cache_false_neither_reads_nor_writes_the_store(client, store_pat
     assert u.executed.get("generate", 0) == 0 and u.from_cache["generate"] == 3
 
 
+def test_a_call_kept_out_of_the_result_cache_is_kept_out_of_the_store(client, store_path):
+    node = daskllm.generate(daskllm.prompt("Spell {x}", x=daskllm.batch(["cat", "dog"])), max_tokens=4, cache=False)
+    daskllm.compute(node)
+    assert ResultStore(store_path, 10**9).info()["entries"] == 0
+    with daskllm.usage() as u:
+        daskllm.compute(node)
+    assert u.executed["generate"] == 2 and not u.from_cache.get("generate")
+
+
 def test_a_dropped_index_never_answers_from_remembered_results(client):
     index = ShardedIndex.create(client, "dropped").ingest(["apples are red", "the sky is blue", "grass is green"])
     before = index.version
     assert daskllm.compute(daskllm.search(index, daskllm.batch(["what colour is the sky?"]), k=1))[0][0][0].id == 1
     index.drop()
     assert index.version != before
-    with pytest.raises(Exception, match="shard 0 is not on worker"):  # it searches the cluster, where the index is gone
+    with pytest.raises(Exception, match=r"index 'dropped' shard \d+ is not on worker"):  # it searches the cluster, where the index is gone
         daskllm.compute(daskllm.search(index, daskllm.batch(["what colour is the sky?"]), k=1))

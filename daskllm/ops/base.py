@@ -49,7 +49,7 @@ class Lowering(Protocol):
     def add(self, layer: str, key: str, task, annotation: TaskAnnotation | None = None, *,
             pin: str | None = None) -> None: ...
 
-    def engine_task(self, key: str, fn, *args): ...  # a Task that secedes while it waits on its engine
+    def engine_task(self, key: str, fn, *args, store: bool = True): ...  # a Task that secedes while it waits on its engine
 
     def place(self, node: Node, item_hashes: list[str], shard: list[int], key: str) -> None: ...
 

@@ -78,7 +78,10 @@ def _decode(ctx: Lowering, params: dict, entries: list[tuple[Node, int]], number
         pre_keys.add(prefill_op.partials(ctx, model, partial))
     deps += [TaskRef(k) for k in sorted(pre_keys)]
     if split is None:
-        task = ctx.engine_task(key, run_decode, key, model, sampling, origins(entries), resolved, *deps)
+        # A call kept out of the result cache (cache=False) keeps its task's calls out of the persistent store.
+        task = ctx.engine_task(key, run_decode, key, model, sampling, origins(entries), resolved, *deps,
+                               store=all(node.params.get("cache", True) and not node.params.get("nonce")
+                                         for node, _ in entries))
     else:
         channels = pmap_op.stream_channels(ctx, key, [consumers.get(ctx.call_hashes(node)[i], []) for node, i in entries])
         task = ctx.engine_task(key, run_decode_split, key, model, sampling, split, channels, resolved, *deps)

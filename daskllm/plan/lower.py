@@ -134,11 +134,12 @@ class Lowering:
             self.pinned[key] = [pin]
         self.counts[layer] += 1
 
-    def engine_task(self, key: str, fn, *args) -> Task:
+    def engine_task(self, key: str, fn, *args, store: bool = True) -> Task:
         """A task whose function waits on an engine: off the worker's thread count unless
-        ``release_threads`` is off (then it holds its thread, as a plain Dask task does)."""
-        # result_cache=False: the persistent result store is off for this computation's calls too.
-        store = {} if dict(self.options.settings).get("result-cache", True) else {"store": False}
+        ``release_threads`` is off (then it holds its thread, as a plain Dask task does).
+        ``store=False`` (calls kept out of the result cache), or ``result_cache=False`` for the
+        computation: its calls neither read nor write the persistent result store."""
+        store = {} if store and dict(self.options.settings).get("result-cache", True) else {"store": False}
         if self.options.release_threads:
             return Task(key, off_thread, fn, *args, **store)
         return Task(key, on_thread, fn, *args, **store) if store else Task(key, fn, *args)
