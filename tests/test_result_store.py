@@ -156,6 +156,16 @@ def test_a_second_run_of_a_table_job_executes_no_call(client):
     assert b["llm_output"].tolist() == naive(qs, 6)  # token for token what the uncached calls give
 
 
+def test_embeddings_come_from_the_store_on_a_second_run(client):
+    qs = questions(10, "embed")
+    first = table(qs, 2).llm.embed("q").compute()
+    with daskllm.usage() as u:
+        second = table(qs, 2).llm.embed("q").compute()
+    assert u.executed.get("embed", 0) == 0 and u.from_cache["embed"] == 10
+    assert u.operators["embed"]["executed"] == 0 and u.operators["embed"]["from_cache"] == 10
+    assert all((a == b).all() for a, b in zip(first["q_embedding"], second["q_embedding"]))
+
+
 def test_a_run_stopped_halfway_resumes_with_what_it_had_finished(client, store_path):
     qs = questions(48, "resume")
     job = table(qs, 6).llm.map(TEMPLATE, max_tokens=24)

@@ -34,7 +34,7 @@ from daskllm.worker.consumer import Consumer
 from daskllm.worker.failures import NullInput, Origins, attempt, failed, merge, ok, raise_others
 from daskllm.worker.host import get_engine, host, in_worker, wait_requests
 from daskllm.worker.indexes import merge_shards, search_shard
-from daskllm.worker.store import ResultStore, StoredCompletion, decode_key, open_store
+from daskllm.worker.store import ResultStore, StoredCompletion, decode_key, embed_key, open_store
 from daskllm.worker.streams import StreamWriter, stream_decode
 from daskllm.worker.usage import TaskUsage
 
@@ -131,10 +131,7 @@ def _store_when_done(store: ResultStore, key: str | None, future) -> None:
         if f.cancelled() or f.exception() is not None:
             return
         c = f.result()
-        try:
-            store.put(key, StoredCompletion(c.text, tuple(c.token_ids), c.finish_reason))
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("result store write failed: %s", exc)
+        _put(store, key, StoredCompletion(c.text, tuple(c.token_ids), c.finish_reason))
 
     future.add_done_callback(put)
 
@@ -247,9 +244,37 @@ def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillH
 def run_embed(task_key: str, model: str, origins: Origins, items: list, *deps) -> list[np.ndarray | None]:
     texts = attempt(lambda part: check_text(render_value(_input(part, deps))), items)
     runnable = ok(texts)
-    vectors = list(calls.embed(model, runnable)) if runnable else []
-    _record(task_key, EMBED_TASK, calls=len(runnable))
+    store = task_store()
+    keys, vectors = _lookup_embeds(store, model, runnable)
+    todo = [j for j, v in enumerate(vectors) if v is None]
+    computed = calls.embed(model, [runnable[j] for j in todo]) if todo else []
+    for j, vector in zip(todo, computed):
+        vectors[j] = vector
+        if keys[j] is not None:
+            _put(store, keys[j], vector)
+    _record(task_key, EMBED_TASK, calls=len(todo), from_cache=len(runnable) - len(todo))
     return origins.settle(merge(texts, vectors))
+
+
+def _lookup_embeds(store: ResultStore | None, model: str, texts: list[str]):
+    """Each text's content key (None: not stored) and stored vector (None: not found)."""
+    path = getattr(get_engine(model, "embed"), "path", None) if store is not None else None
+    if path is None:
+        return [None] * len(texts), [None] * len(texts)
+    try:
+        identity = store.model_identity(path)
+        keys = [embed_key(identity, t) for t in texts]
+        return keys, store.get_many(keys)
+    except Exception as exc:  # noqa: BLE001 - a broken store costs recomputation, never the call
+        logger.warning("result store lookup failed, computing: %s", exc)
+        return [None] * len(texts), [None] * len(texts)
+
+
+def _put(store: ResultStore, key: str, value) -> None:
+    try:
+        store.put(key, value)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("result store write failed: %s", exc)
 
 
 def run_search(task_key: str, index_name: str, shard: int, k: int, items: list, *deps) -> list:
