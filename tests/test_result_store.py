@@ -5,6 +5,7 @@ results that never outlive their index's contents."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -189,6 +190,30 @@ def test_a_run_stopped_halfway_resumes_with_what_it_had_finished(client, store_p
     assert stats["from_cache"] >= finished and stats["executed"] == 48 - stats["from_cache"] < 48
     assert u.executed.get("generate", 0) == stats["executed"]
     assert out["llm_output"].tolist() == naive(qs, 24)
+
+
+def test_a_worker_killed_mid_job_leaves_a_store_that_answers_exactly(client, store_path):
+    """SIGKILL a worker once calls have been stored (a process dying between writes): the job
+    still finishes (Dask reruns the lost partitions, reading what was stored), every answer is
+    an uncached run's, and a rerun executes nothing."""
+    qs = questions(40, "killed")
+    future = client.compute(table(qs, 4).llm.map(TEMPLATE, max_tokens=24))
+    store = ResultStore(store_path, 10**9)
+    deadline = time.monotonic() + 120
+    while store.info()["entries"] < 3:
+        assert time.monotonic() < deadline, "no call finished within 120 s"
+        time.sleep(0.05)
+    victim = sorted(client.scheduler_info()["workers"])[0]
+    os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    out = future.result(timeout=240)
+    assert out["llm_output"].tolist() == naive(qs, 24)
+    client.wait_for_workers(2, timeout=120)
+    future.release()
+    cold_start(client)  # the scheduler forgets the finished job, so the rerun computes it again
+    with daskllm.usage() as u:
+        again = table(qs, 4).llm.map(TEMPLATE, max_tokens=24).compute()
+    assert u.operators["map"]["executed"] == 0 and u.operators["map"]["from_cache"] == 40
+    pd.testing.assert_frame_equal(out, again)
 
 
 def test_result_cache_false_neither_reads_nor_writes_the_store(client, store_path):

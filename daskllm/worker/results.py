@@ -4,9 +4,10 @@ Results of the requested outputs' deterministic calls (greedy, or sampled with a
 remembered under their structural hash, in a size-bounded LRU, by the client that computed
 them (``daskllm.compute``, ``node.compute()``, ``dask.compute``). The planner's ``cache`` pass
 looks calls up here (the runtime hands it this store). A worker planning nested work (a pmap's
-items, a dataframe partition) looks calls up in its own process's store, which nothing fills
-yet: nested calls are not served from remembered results. A sampled call without a seed is
-never remembered.
+items, a dataframe partition) looks calls up in its own process's store, which nothing fills:
+nested calls are served instead by the persistent result store (:mod:`daskllm.worker.store`),
+which the decode and embed tasks themselves consult, keyed by content. A sampled call without
+a seed is never remembered.
 """
 
 from __future__ import annotations
