@@ -2,6 +2,7 @@
 
     python bench/dataframe.py --json out.json
     python bench/dataframe.py --quick            # smoke run: fewer rows
+    python bench/dataframe.py --scale 100000     # map then filter on 100,000 rows: peak memory
 
 Cluster: ``LocalLLMCluster(models=[MODEL], n_workers=2, threads_per_worker=4)``; tables are
 dask dataframes of ``--partitions`` partitions with pyarrow strings:
@@ -17,12 +18,18 @@ Systems, each computing ``out`` for every row with ``max_tokens=--max-tokens``, 
   (what a user writes with Dask alone);
 * ``batched``: ``map_partitions`` sending each partition's prompts to the engine at once
   (batching, no dedup, no prefix ordering);
-* ``daskllm``: ``ddf.llm.map(template, ...)``.
+* ``daskllm``: ``ddf.llm.map(template, ...)`` (``dedupe="auto"``, the default);
+* ``daskllm-global`` / ``daskllm-local``: the same with ``dedupe="global"`` (the shuffle-based
+  dedupe, the plan before ``"auto"``) and ``dedupe="local"`` (each partition on its own).
 
 All three use the same token ids for a prompt (the template's segments tokenized separately,
 as daskllm does), so their outputs must be identical. Systems run interleaved, from a cold
 start each time (prefix caches reset, result cache cleared). Recorded: wall time, rows/s,
 ratio to each baseline, and daskllm's physical calls (must equal the distinct prompts).
+
+``--scale N``: N distinct synthetic rows (``--partitions``) through ``map`` then ``filter``
+(one job), and the peak resident memory (``ru_maxrss``) of the client and of each worker
+process before and after it, with the usage counts.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import log, machine_info  # noqa: E402
 
+SYSTEMS = ("rowwise", "batched", "daskllm", "daskllm-global", "daskllm-local")
 TABLES = {"stdlib": "Explain {qualname} in one line: {first_sentence}",
           "duplicates": "In one line, what is the {module} module for?"}
 
@@ -75,9 +83,11 @@ def run(system: str, ddf, template: str, model: str, max_tokens: int):
     meta = ddf._meta.assign(out=pd.Series([], dtype=object))
     usage = None
     start = time.perf_counter()
-    if system == "daskllm":
+    if system.startswith("daskllm"):
+        dedupe = system.partition("-")[2] or "auto"
         with daskllm.usage() as usage:
-            out = ddf.llm.map(template, model=model, max_tokens=max_tokens, out="out").compute()
+            out = ddf.llm.map(template, model=model, max_tokens=max_tokens, out="out", dedupe=dedupe,
+                              chat=False).compute()  # the bare prompt, as the baselines send it
     else:
         fn = _rowwise if system == "rowwise" else _batched
         out = ddf.map_partitions(fn, template, model, max_tokens, meta=meta).compute()
@@ -92,10 +102,13 @@ def main(argv=None) -> int:
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--systems", nargs="+", default=["rowwise", "batched", "daskllm"])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--scale", type=int, metavar="ROWS", help="map then filter on ROWS rows: peak memory")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.scale:
+        return scale(args)
     if args.quick:
         args.rows, args.reps, args.partitions = 200, 1, 4
 
@@ -143,17 +156,68 @@ def report(results) -> str:
     m = results["machine"]
     lines = [f"model `{m['model']}`, {m['rows']} rows in {m['partitions']} partitions, max_tokens={m['max_tokens']}, "
              f"{m['reps']} repetitions", "",
-             "| table | distinct prompts | daskllm calls | rowwise | batched | daskllm | vs rowwise | vs batched | "
-             "identical |", "|---|---|---|---|---|---|---|---|---|"]
+             "| table | distinct prompts | daskllm calls | " + " | ".join(SYSTEMS) + " | vs rowwise | vs batched | "
+             "identical |", "|---|---|---|" + "---|" * len(SYSTEMS) + "---|---|---|"]
     for name, t in results["tables"].items():
         w = {s: statistics.median(v) for s, v in t["walls"].items()}
         rate = {s: t["rows"] / w[s] for s in w}
-        cells = [f"{w[s]:.1f} s ({rate[s]:.0f} rows/s)" if s in w else "-" for s in ("rowwise", "batched", "daskllm")]
+        cells = [f"{w[s]:.1f} s ({rate[s]:.0f} rows/s)" if s in w else "-" for s in SYSTEMS]
         ratio = [f"{w[s] / w['daskllm']:.2f}x" if s in w and "daskllm" in w else "-" for s in ("rowwise", "batched")]
         calls = ", ".join(str(c) for c in sorted(set(t["daskllm_calls"]))) or "-"
         lines.append(f"| {name} | {t['distinct_prompts']} | {calls} | {' | '.join(cells)} | {' | '.join(ratio)} | "
                      f"{'yes' if t['identical'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def _peak_rss_mib(dask_worker=None) -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def scale(args) -> int:
+    """``--scale N``: N all-distinct rows through ``map`` then ``filter``, one job; peak memory."""
+    import dask.dataframe as dd
+    import pandas as pd
+    from distributed import Client
+
+    import daskllm
+
+    rows = args.scale
+    frame = pd.DataFrame({"id": range(rows), "item": [f"item {i}" for i in range(rows)]})
+    frame["item"] = frame["item"].astype("string[pyarrow]")
+    partitions = max(args.partitions, rows // 1000)
+    ddf = dd.from_pandas(frame, npartitions=partitions)
+    del frame
+    results = {"machine": machine_info(model=args.model, rows=rows, partitions=partitions,
+                                       max_tokens=args.max_tokens,
+                                       cluster="LocalLLMCluster(n_workers=2, threads_per_worker=4)")}
+    with daskllm.LocalLLMCluster(models=[args.model], n_workers=2, threads_per_worker=4) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(2)
+        before = {"client": _peak_rss_mib(), **client.run(_peak_rss_mib)}
+        mapped = ddf.llm.map("Name {item} in two words:", model=args.model, max_tokens=args.max_tokens, out="name")
+        job = mapped.llm.filter("Is {name} a fruit?", model=args.model)
+        start = time.perf_counter()
+        with daskllm.usage() as usage:
+            kept = job.id.count().compute()  # a scalar back: the client holds no table
+        wall = time.perf_counter() - start
+        after = {"client": _peak_rss_mib(), **client.run(_peak_rss_mib)}
+    results.update(wall_s=wall, kept=int(kept), operators=usage.operators, executed=dict(usage.executed),
+                   peak_rss_mib={"before": before, "after": after})
+    log(json.dumps(results, indent=1, default=str))
+    lines = [f"{rows:,} rows in {partitions} partitions, `map` (max_tokens={args.max_tokens}) then `filter`, "
+             f"model `{args.model}`: {wall:.0f} s ({rows / wall:.0f} rows/s), {kept} rows kept", "",
+             "| process | peak RSS before the job | peak RSS after the job |", "|---|---|---|"]
+    lines += [f"| {'client' if p == 'client' else 'worker ' + p} | {before[p]:.0f} MiB | {after[p]:.0f} MiB |"
+              for p in before]
+    lines += ["", "| operator | rows | distinct | executed | failed |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {o['rows']} | {o['distinct']} | {o['executed']} | {o['failed']} |"
+              for name, o in usage.operators.items()]
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
 
 
 if __name__ == "__main__":

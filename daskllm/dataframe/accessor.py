@@ -8,7 +8,8 @@ from dask.dataframe.extensions import register_dataframe_accessor, register_seri
 
 from daskllm import api
 from daskllm.budget import Budget
-from daskllm.dataframe.calls import call, summarize_chunk, summarize_parts
+from daskllm.dataframe.calls import summarize_chunk, summarize_parts
+from daskllm.dataframe.dedupe import plan
 from daskllm.dataframe.joins import sim_join
 from daskllm.dataframe.ops import CASTS, DTYPES, KEY, STRING, Op, yes_no
 from daskllm.dataframe.rows import lookup, pair_keys, render
@@ -35,19 +36,15 @@ class LLMAccessor:
             raise KeyError(f"template fields {missing} are not columns; columns are {list(self._ddf.columns)}")
         return slots
 
-    def _results(self, keys, op: Op, slots: tuple, on_error: str):
-        """Per row (aligned with ``keys``): value and error, each distinct input computed once."""
+    def _results(self, keys, op: Op, slots: tuple, on_error: str, dedupe: str = "auto"):
+        """Per row (aligned with ``keys``): value and error, each distinct input computed once
+        (``dedupe``: see :mod:`daskllm.dataframe.dedupe`)."""
         if on_error not in ("raise", "null"):
             raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
         frame = self._ddf[list(slots)].assign(**{KEY: keys}) if slots else keys.to_frame()
-        # A task-based shuffle: P2P's per-shuffle bookkeeping (and its log lines) costs more than
-        # it saves on a column of short prompt strings.
-        distinct = frame.dropna(subset=[KEY]).drop_duplicates(subset=[KEY], shuffle_method="tasks")
-        meta = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
-                             "error": pd.Series([], dtype=STRING)})
-        table = distinct.map_partitions(call, op, slots, meta=meta).repartition(npartitions=1)
+        own, shared = plan(frame, op, slots, dedupe)
         meta = pd.DataFrame({"value": pd.Series([], dtype=object), "error": pd.Series([], dtype=STRING)})
-        return keys.map_partitions(lookup, table, op.name, on_error, meta=meta)
+        return keys.map_partitions(lookup, own, shared, op.name, on_error, meta=meta)
 
     def _with(self, results, out: str, on_error: str, dtype):
         assigned = {out: results["value"].astype(dtype) if dtype is not None else results["value"]}
@@ -77,17 +74,19 @@ class LLMAccessor:
 
     def map(self, template: str, *, model: str | None = None, max_tokens: int = 64, out: str = "llm_output",
             on_error: str = "raise", budget: Budget | None = None, temperature: float = 0.0,
-            seed: int | None = None, stop=(), ignore_eos: bool = False, chat: bool | None = None):
-        """A new text column ``out``: the model's answer to ``template`` filled from each row."""
+            seed: int | None = None, stop=(), ignore_eos: bool = False, chat: bool | None = None,
+            dedupe: str = "auto"):
+        """A new text column ``out``: the model's answer to ``template`` filled from each row.
+        ``dedupe``: which task calls each distinct prompt (:mod:`daskllm.dataframe.dedupe`)."""
         slots = self._slots(template)
         model = self._model(model)
         op = Op("generate", model, "map", template, self._sampling(max_tokens, temperature, seed, stop, ignore_eos),
                 budget=budget, chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
-        return self._with(self._results(keys, op, slots, on_error), out, on_error, STRING)
+        return self._with(self._results(keys, op, slots, on_error, dedupe), out, on_error, STRING)
 
     def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
-               budget: Budget | None = None, chat: bool | None = None):
+               budget: Budget | None = None, chat: bool | None = None, dedupe: str = "auto"):
         """The rows the model judges true: its answer to ``predicate`` is constrained to yes/no.
         With ``on_error="null"`` a row that cannot be judged is dropped."""
         slots = self._slots(predicate)
@@ -96,7 +95,7 @@ class LLMAccessor:
         op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
                 chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(render, predicate, slots, meta=(KEY, STRING))
-        results = self._results(keys, op, slots, on_error)
+        results = self._results(keys, op, slots, on_error, dedupe)
         return self._ddf[results["value"].fillna(False).astype(bool)]
 
     def extract(self, template: str, fields: dict, *, model: str | None = None, max_tokens: int = 128,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import asdict
 
 import pandas as pd
-from distributed import worker_client
+from distributed import get_worker, worker_client
 from distributed.worker import thread_state
 
 from daskllm import api
@@ -17,7 +18,7 @@ from daskllm.dataframe.ops import KEY, STRING, Op, costs, digits, literal, parse
 from daskllm.engines import SamplingParams
 from daskllm.runtime import collection, submit
 from daskllm.worker.host import host, in_worker
-from daskllm.worker.usage import DATAFRAME, TaskUsage
+from daskllm.worker.usage import DATAFRAME, USAGE_TOPIC, TaskUsage
 
 def call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
     """Run ``op`` on a partition of distinct inputs: one batched daskllm call, from this task."""
@@ -106,8 +107,15 @@ def plan_keys(plan) -> list:
 
 
 def record(operator: str, *, children=(), **record) -> None:
-    host().usage[f"dataframe-{operator}-{uuid.uuid4().hex[:12]}"] = TaskUsage(DATAFRAME, operator=operator,
-                                                                          children=tuple(children), **record)
+    """This task's counts, under its task key: a task that runs again (its worker died, or a
+    result it made was lost and is recomputed) replaces its record instead of adding one. On a
+    worker the record also goes to the scheduler's event log, so it outlives the worker."""
+    task_key = getattr(thread_state, "key", None)
+    key = f"dataframe-{operator}-{task_key if task_key is not None else uuid.uuid4().hex[:12]}"
+    usage = TaskUsage(DATAFRAME, operator=operator, children=tuple(children), **record)
+    host().usage[key] = usage
+    if task_key is not None:
+        get_worker().log_event(USAGE_TOPIC, {"key": key, "usage": asdict(usage)})
 
 
 

@@ -22,12 +22,17 @@ def render(frame: pd.DataFrame, template: str, slots: tuple) -> pd.Series:
 
 
 
-def lookup(keys: pd.Series, table: pd.DataFrame, op_name: str, on_error: str) -> pd.DataFrame:
-    """Each row's value and error, from the broadcast table of distinct results."""
+def lookup(keys: pd.Series, own: pd.DataFrame | None, shared: pd.DataFrame | None, op_name: str,
+           on_error: str) -> pd.DataFrame:
+    """Each row's value and error: from its own partition's results, else from the table of
+    results that several partitions share (see ``dedupe``)."""
     if len(keys):
         record(op_name, rows=len(keys))
-    values = dict(zip(table[KEY], table["value"]))
-    errors = dict(zip(table[KEY], table["error"]))
+    values, errors = {}, {}
+    for table in (shared, own):  # own last: it wins where both hold a key (they agree)
+        if table is not None:
+            values.update(zip(table[KEY], table["value"]))
+            errors.update(zip(table[KEY], table["error"]))
     value = [values.get(k) if isinstance(k, str) else None for k in keys]
     error = [errors.get(k) if isinstance(k, str) else None for k in keys]
     error = [None if e is None or e is pd.NA else e for e in error]

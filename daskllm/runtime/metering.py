@@ -24,7 +24,7 @@ from daskllm.annotations import DECODE_TASK, PMAP_TASK, PREFILL_TASK
 from daskllm.ops.generate import GENERATE
 from daskllm.ops.prefill import PREFILL
 from daskllm.worker.host import PLUGIN_NAME, local_host
-from daskllm.worker.usage import DATAFRAME, TaskUsage
+from daskllm.worker.usage import DATAFRAME, USAGE_TOPIC, TaskUsage
 
 # Process-wide, not per context: Dask may lower a graph on another thread than the caller's.
 _active: list[Usage] = []
@@ -180,23 +180,19 @@ def _worker_engine_busy(dask_worker=None) -> dict[str, float]:
 
 
 def _records_since(started: float) -> dict[str, TaskUsage]:
-    found = _dataframe_records(started, local_host().usage)
+    """The dataframe records made since ``started``: in this process, and by tasks on workers,
+    read from the scheduler's event log (a lost worker's records are there too). A task that
+    ran more than once is counted once: its newest record."""
+    found = {k: v for k, v in list(local_host().usage.items()) if v.op == DATAFRAME and v.time >= started}
     try:
         client = default_client()
     except ValueError:
         return found
-    for records in client.run(_worker_dataframe_records, started).values():
-        found.update(records)
+    for _, event in client.get_events(USAGE_TOPIC):
+        record = TaskUsage(**{**event["usage"], "children": tuple(event["usage"]["children"])})
+        if record.time >= started and (event["key"] not in found or record.time >= found[event["key"]].time):
+            found[event["key"]] = record
     return found
-
-
-def _dataframe_records(started: float, usage) -> dict:
-    return {k: v for k, v in list(usage.items()) if v.op == DATAFRAME and v.time >= started}
-
-
-def _worker_dataframe_records(started, dask_worker=None) -> dict:
-    plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
-    return _dataframe_records(started, plugin.usage) if plugin is not None else {}
 
 
 def _with_children(records: dict[str, TaskUsage]) -> dict[str, TaskUsage]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 
 DATAFRAME = "dataframe"  # the op of a ddf.llm operator's records (not a task type)
+# The scheduler's event topic of the dataframe records (Dask's event log outlives a lost worker).
+USAGE_TOPIC = "daskllm-dataframe-usage"
 
 
 @dataclass(frozen=True, slots=True)
