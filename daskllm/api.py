@@ -23,7 +23,7 @@ import numpy as np
 from dask.delayed import Delayed
 
 from daskllm import config
-from daskllm.engines import SamplingParams
+from daskllm.engines import SamplingParams, StructuredOutput
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
 from daskllm.ops import is_stream
 from daskllm.ops.collections import COLLECT, GATHER
@@ -98,8 +98,14 @@ def _prompt_inputs(op: str, p: Prompt, model: str) -> dict[str, Node]:
 
 def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, stop=(), seed: int | None = None, ignore_eos: bool = False,
-             cache: bool | None = None, split=None, allowed_token_ids=(), on_error: str = "raise") -> Node:
+             cache: bool | None = None, split=None, allowed_token_ids=(), on_error: str = "raise",
+             schema=None, choices=None, regex: str | None = None) -> Node:
     """An LLM call (or a batch of them). Its value is the generated text (a list for a batch).
+
+    Constrained output (at most one): ``schema`` (a JSON schema dict or a pydantic model: the
+    text is one JSON value that follows it), ``choices`` (a list of str: the text is one of
+    them) or ``regex``. Decoding is masked to the grammar, so the text always parses unless
+    ``max_tokens`` cuts it.
 
     ``on_error``: what a call that cannot run (its prompt longer than the model holds, its text
     not valid Unicode, its input null) does: "raise" (default) raises a ``CallError`` naming
@@ -114,13 +120,14 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
     errors = _on_error(GENERATE.name, on_error)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
                    ignore_eos=ignore_eos, cache=cache, split=split, allowed_token_ids=tuple(allowed_token_ids),
-                   on_error=on_error)
+                   on_error=on_error, schema=schema, choices=choices, regex=regex)
     lifted = _lift_prompt("generate", p, dict(model=model, **options))
     if lifted is not None:
         return lifted
     model = default_model(model)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                              stop=stop, ignore_eos=ignore_eos, allowed_token_ids=tuple(allowed_token_ids))
+                              stop=stop, ignore_eos=ignore_eos, allowed_token_ids=tuple(allowed_token_ids),
+                              structured=structured_output(schema, choices, regex))
     if cache and not sampling.deterministic:
         raise ValueError(f"generate({model!r}): a sampled call without a seed is not deterministic and cannot be "
                          f"cached; pass seed= or cache=False")
@@ -134,6 +141,18 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
         params["split"] = splitter(split)
     return LazyNode(GENERATE.name, inputs=inputs, template=p.segments, chat=p.chat, width=_width(GENERATE.name, inputs),
                 params=params, nonce=not sampling.deterministic)
+
+
+def structured_output(schema=None, choices=None, regex: str | None = None) -> StructuredOutput | None:
+    """The constraint named by at most one of ``schema``, ``choices`` and ``regex``."""
+    given = [name for name, v in (("schema", schema), ("choices", choices), ("regex", regex)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"generate: pass at most one of schema, choices and regex, got {given}")
+    if schema is not None:
+        return StructuredOutput.json_schema(schema)
+    if choices is not None:
+        return StructuredOutput.choice(choices)
+    return None if regex is None else StructuredOutput.regex(regex)
 
 
 def prefill(prefix, model: str | None = None) -> Node:

@@ -4,6 +4,7 @@ render, distinct, call and lookup steps (see the package docstring)."""
 from __future__ import annotations
 
 import pandas as pd
+import pyarrow as pa
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from daskllm import api
@@ -11,9 +12,9 @@ from daskllm.budget import Budget
 from daskllm.dataframe.calls import summarize_chunk, summarize_parts
 from daskllm.dataframe.dedupe import plan
 from daskllm.dataframe.joins import sim_join
-from daskllm.dataframe.ops import CASTS, DTYPES, KEY, STRING, Op, yes_no
+from daskllm.dataframe.ops import CASTS, DTYPES, KEY, STRING, Op, as_struct, fields_schema, schema_dtype, yes_no
 from daskllm.dataframe.rows import lookup, pair_keys, render
-from daskllm.engines import SamplingParams
+from daskllm.engines import SamplingParams, StructuredOutput
 from daskllm.prompts import Slot, parse_template, tokenizer_for
 from daskllm.retrieval import ShardedIndex
 from daskllm.runtime.view import check_served, take_view
@@ -47,15 +48,21 @@ class LLMAccessor:
         return keys.map_partitions(lookup, own, shared, op.name, on_error, meta=meta)
 
     def _with(self, results, out: str, on_error: str, dtype):
-        assigned = {out: results["value"].astype(dtype) if dtype is not None else results["value"]}
+        value = results["value"]
+        if isinstance(dtype, pd.ArrowDtype) and pa.types.is_struct(dtype.pyarrow_dtype):
+            value = value.map_partitions(as_struct, dtype, meta=pd.Series([], dtype=dtype, name="value"))
+        elif dtype is not None:
+            value = value.astype(dtype)
+        assigned = {out: value}
         if on_error == "null":
             assigned[f"{out}_error"] = results["error"]
         return self._ddf.assign(**assigned)
 
     @staticmethod
-    def _sampling(max_tokens, temperature=0.0, seed=None, stop=(), ignore_eos=False) -> SamplingParams:
+    def _sampling(max_tokens, temperature=0.0, seed=None, stop=(), ignore_eos=False,
+                  structured: StructuredOutput | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, structured=structured)
 
     def _model(self, model, kind: str = "llm"):
         model = api.default_model(model, "llm" if kind == "llm" else "embed")
@@ -75,15 +82,27 @@ class LLMAccessor:
     def map(self, template: str, *, model: str | None = None, max_tokens: int = 64, out: str = "llm_output",
             on_error: str = "raise", budget: Budget | None = None, temperature: float = 0.0,
             seed: int | None = None, stop=(), ignore_eos: bool = False, chat: bool | None = None,
-            dedupe: str = "auto"):
+            schema=None, choices=None, dedupe: str = "auto"):
         """A new text column ``out``: the model's answer to ``template`` filled from each row.
-        ``dedupe``: which task calls each distinct prompt (:mod:`daskllm.dataframe.dedupe`)."""
+        ``dedupe``: which task calls each distinct prompt (:mod:`daskllm.dataframe.dedupe`).
+
+        Constrained (decoded under a grammar, so every answer parses): ``schema`` (a pydantic
+        model or a JSON schema dict) gives a column of parsed objects, an Arrow struct column
+        where the schema is a flat object of scalars; ``choices`` (a list of str) gives a
+        categorical column whose values are always among them."""
         slots = self._slots(template)
         model = self._model(model)
-        op = Op("generate", model, "map", template, self._sampling(max_tokens, temperature, seed, stop, ignore_eos),
+        structured = api.structured_output(schema, choices)
+        op = Op("generate", model, "map", template,
+                self._sampling(max_tokens, temperature, seed, stop, ignore_eos, structured),
                 budget=budget, chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
-        return self._with(self._results(keys, op, slots, on_error, dedupe), out, on_error, STRING)
+        dtype = STRING
+        if schema is not None:
+            dtype = schema_dtype(structured.value)
+        elif choices is not None:
+            dtype = pd.CategoricalDtype(structured.value)
+        return self._with(self._results(keys, op, slots, on_error, dedupe), out, on_error, dtype)
 
     def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
                budget: Budget | None = None, chat: bool | None = None, dedupe: str = "auto"):
@@ -101,7 +120,8 @@ class LLMAccessor:
     def extract(self, template: str, fields: dict, *, model: str | None = None, max_tokens: int = 128,
                 on_error: str = "raise", budget: Budget | None = None, chat: bool | None = None):
         """Structured output: one column per field (``{"name": str, "year": int}``), parsed from a
-        JSON object the model writes."""
+        JSON object the model writes under a grammar (the fields' JSON schema), so it always
+        parses; an answer cut by ``max_tokens`` is a row error."""
         slots = self._slots(template)
         if not fields:
             raise ValueError("extract: fields must name at least one output column")
@@ -110,7 +130,8 @@ class LLMAccessor:
             raise ValueError(f"extract: field types must be among {sorted(CASTS)}, got {fields!r}")
         spec = tuple((f, t if isinstance(t, str) else t.__name__) for f, t in fields.items())
         model = self._model(model)
-        op = Op("extract", model, "extract", template, SamplingParams(max_tokens=max_tokens),
+        structured = StructuredOutput.json_schema(fields_schema(spec))
+        op = Op("extract", model, "extract", template, SamplingParams(max_tokens=max_tokens, structured=structured),
                 fields=spec, budget=budget, chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
         results = self._results(keys, op, slots, on_error)

@@ -14,7 +14,18 @@ from distributed.worker import thread_state
 from daskllm import api
 from daskllm.api import batch
 from daskllm.budget import Budget
-from daskllm.dataframe.ops import KEY, STRING, Op, costs, digits, literal, parse, full_template, yes_no
+from daskllm.dataframe.ops import (
+    KEY,
+    STRING,
+    Op,
+    constraint_options,
+    costs,
+    digits,
+    full_template,
+    literal,
+    parse,
+    yes_no,
+)
 from daskllm.engines import SamplingParams
 from daskllm.runtime import collection, submit
 from daskllm.worker.host import host, in_worker
@@ -86,7 +97,8 @@ def call_node(rows: pd.DataFrame, op: Op, slots: tuple):
     s = op.sampling
     allowed = yes_no(op.model) if op.kind == "filter" else digits(op.model) if op.kind == "rate" else ()
     return api.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=allowed)
+                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=allowed,
+                            **constraint_options(s.structured))
 
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 
 from daskllm.budget import Budget
-from daskllm.engines import SamplingParams
+from daskllm.engines import SamplingParams, StructuredOutput
 from daskllm.models import resolve
 from daskllm.prompts import Text, parse_template, render_value, tokenizer_for
 
@@ -106,15 +106,73 @@ def digits(model: str) -> tuple[int, ...]:
 
 
 def parse(output, op: Op):
+    constraint = op.sampling.structured if op.sampling is not None else None
+    if op.kind == "generate" and constraint is not None:
+        return parse_constrained(output, constraint, op.sampling.max_tokens)
     if op.kind == "filter":
         return output.strip().lower().startswith("y")
     if op.kind == "rate":
         return int(output.strip()[:1])
     if op.kind == "extract":
-        return extract_fields(output, op.fields)
+        try:
+            return extract_fields(output, op.fields)
+        except ValueError:
+            if constraint is not None:  # under the grammar only a cut output fails to parse
+                raise ValueError(cut_message(output, op.sampling.max_tokens, "the JSON closed")) from None
+            raise
     if op.kind == "search":
         return [{"id": int(h.id), "score": float(h.score), "text": h.text} for h in output]
     return output
+
+
+def parse_constrained(output: str, constraint: StructuredOutput, max_tokens: int):
+    """A constrained answer: a JSON schema's value (a dict), or the text of a choice or regex.
+    The grammar makes a complete answer parse, so one that does not was cut by max_tokens."""
+    if constraint.kind == "json_schema":
+        try:
+            return json.loads(output)
+        except json.JSONDecodeError:
+            raise ValueError(cut_message(output, max_tokens, "the JSON closed")) from None
+    if constraint.kind == "choice" and output not in constraint.value:
+        raise ValueError(cut_message(output, max_tokens, "it completed a choice"))
+    return output
+
+
+def cut_message(output: str, max_tokens: int, what: str) -> str:
+    return f"output cut at max_tokens={max_tokens} before {what}: {output.strip()[:80]!r}"
+
+
+def fields_schema(fields: tuple) -> dict:
+    """The JSON schema of an extract's answer: one object with every field, of its type."""
+    return {"type": "object", "properties": {name: {"type": JSON_TYPES[kind]} for name, kind in fields},
+            "required": [name for name, _ in fields], "additionalProperties": False}
+
+
+def constraint_options(constraint: StructuredOutput | None) -> dict:
+    """A constraint as generate()'s keyword arguments (schema=, choices= or regex=)."""
+    if constraint is None:
+        return {}
+    name = {"json_schema": "schema", "choice": "choices", "regex": "regex"}[constraint.kind]
+    return {name: constraint.value}
+
+
+def schema_dtype(schema: dict):
+    """A column's dtype for answers to ``schema``: an Arrow struct where it is a flat object of
+    scalar properties (so parquet stores named typed fields), else Python objects."""
+    properties = schema.get("properties") if schema.get("type") == "object" else None
+    if not properties or schema.get("additionalProperties", False) is not False:
+        return object
+    types = {name: ARROW_TYPES.get(p.get("type")) if isinstance(p, dict) else None for name, p in properties.items()}
+    if None in types.values():
+        return object
+    return pd.ArrowDtype(pa.struct([(name, t) for name, t in types.items()]))
+
+
+def as_struct(values: pd.Series, dtype: pd.ArrowDtype) -> pd.Series:
+    """Parsed objects (dicts, None for a failed row) as an Arrow struct column (pandas has no
+    astype from objects to a struct)."""
+    return pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values.tolist(), type=dtype.pyarrow_dtype)),
+                     index=values.index, name=values.name)
 
 
 def extract_fields(text: str, fields: tuple) -> dict:
@@ -149,4 +207,6 @@ def extract_fields(text: str, fields: tuple) -> dict:
 
 _JSON = json.JSONDecoder()
 CASTS = {"str": str, "int": int, "float": float, "bool": bool}
+JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
+ARROW_TYPES = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}
 DTYPES = {"str": STRING, "int": "Int64", "float": "Float64", "bool": "boolean"}

@@ -23,6 +23,7 @@ from daskllm.engines.protocol import (
     PrefillHandle,
     RequestError,
     SamplingParams,
+    StructuredOutput,
 )
 from daskllm.models import model_name
 
@@ -121,4 +122,4 @@ class EngineSpec:
 
 
 __all__ = ["BACKENDS", "CacheState", "Completion", "Engine", "EngineSpec", "EngineStats", "PrefillHandle",
-           "RequestError", "SamplingParams"]
+           "RequestError", "SamplingParams", "StructuredOutput"]

@@ -8,11 +8,14 @@ on both. Requests are text or token ids plus :class:`SamplingParams`; outputs ar
 from __future__ import annotations
 
 import dataclasses
+import json
 import queue
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+import llguidance
 
 Prompt = str | Sequence[int]
 TokenCallback = Callable[[str], None]
@@ -24,6 +27,75 @@ class EngineClosed(RuntimeError):
 
 class RequestError(ValueError):
     """A request was rejected; only that request fails, the engine keeps serving."""
+
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow: a JSON schema, a choice among strings, or a regex.
+
+    ``spec`` is compact text (a JSON schema or a choice list as JSON, a regex as is), so equal
+    constraints are equal, hash alike and travel as plain strings. It is checked
+    here, where the request is built: a bad one raises a RequestError naming the field.
+    """
+
+    kind: str  # json_schema | choice | regex
+    spec: str
+
+    KINDS = ("json_schema", "choice", "regex")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise RequestError(f"structured: kind must be one of {self.KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise RequestError(f"structured {self.kind}: spec must be text, got {type(self.spec).__name__}")
+        error = llguidance.LLMatcher.validate_grammar(self.grammar())
+        if error:
+            raise RequestError(f"structured {self.kind}: {error.strip()}")
+
+    @classmethod
+    def json_schema(cls, schema) -> StructuredOutput:
+        """From a JSON schema (a dict or its JSON text) or a pydantic model class."""
+        if hasattr(schema, "model_json_schema"):
+            schema = schema.model_json_schema()
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise RequestError(f"schema: not valid JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise RequestError(f"schema must be a JSON schema (dict) or a pydantic model, got {type(schema).__name__}")
+        # JSON laid out as json.dumps writes it: free whitespace would let a model pad forever
+        # (the loop vLLM's disable_any_whitespace exists for). A schema's own x-guidance wins.
+        schema = {"x-guidance": JSON_LAYOUT, **schema}
+        # Key order is kept: the output lists an object's properties in the schema's order.
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+
+    @classmethod
+    def choice(cls, choices) -> StructuredOutput:
+        if isinstance(choices, str) or not all(isinstance(c, str) and c for c in choices) or not choices:
+            raise RequestError(f"choices must be a non-empty list of non-empty strings, got {choices!r}")
+        return cls("choice", json.dumps(list(dict.fromkeys(choices))))
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        if not isinstance(pattern, str) or not pattern:
+            raise RequestError(f"regex must be a non-empty str, got {pattern!r}")
+        return cls("regex", pattern)
+
+    def grammar(self) -> str:
+        """The llguidance grammar (vLLM's "guidance" backend reads the same)."""
+        try:
+            return llguidance.grammar_from(self.kind, self.spec)
+        except ValueError as exc:
+            raise RequestError(f"structured {self.kind}: {exc}") from None
+
+    @property
+    def value(self):
+        """The spec as vLLM's StructuredOutputsParams takes it: a schema dict, a choice list, a regex."""
+        return self.spec if self.kind == "regex" else json.loads(self.spec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +110,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Only these tokens may be generated (e.g. the first tokens of "yes" and "no"); () = any.
     allowed_token_ids: tuple[int, ...] = ()
+    # A grammar the output follows (decoding is masked to it); None = free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +129,11 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise RequestError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if self.structured is not None and self.ignore_eos:
+            raise RequestError("structured: ignore_eos cannot be combined with a grammar (it ends where the "
+                               "grammar is complete)")
 
     @property
     def greedy(self) -> bool:

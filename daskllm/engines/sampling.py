@@ -21,8 +21,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           allowed: torch.Tensor | None = None) -> int:
+    """One token from one row of logits; ``allowed`` (a bool mask over the vocabulary, from a
+    grammar) rules out every other token before the choice."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if params.allowed_token_ids:
         allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
         masked = torch.full_like(logits, float("-inf"))

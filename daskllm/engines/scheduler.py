@@ -33,6 +33,7 @@ class Sequence:
     on_text: TokenCallback | None = None
     text: TextStream | None = None
     generator: torch.Generator | None = None
+    matcher: object | None = None  # an llguidance matcher where the output follows a grammar
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain of the registered full blocks
     num_computed: int = 0  # tokens whose K/V are in the cache

@@ -22,6 +22,7 @@ import torch
 
 from daskllm import config, models
 from daskllm.engines.detok import TextStream
+from daskllm.engines.grammar import Grammars, advance, allowed
 from daskllm.engines.kv_cache import BlockManager
 from daskllm.engines.llama import LlamaModel, StepInput
 from daskllm.engines.protocol import (
@@ -79,6 +80,9 @@ class TorchEngine(BatchingEngine):
         if self.tokenizer.eos_token_id is not None:
             self._eos.add(self.tokenizer.eos_token_id)
 
+        self._grammars: Grammars | None = None  # built on the first constrained request (about a second)
+        self._grammars_lock = threading.Lock()
+
         self._stats = EngineStats(cache_blocks_total=num_blocks)
         self._inbox: deque[Sequence] = deque()
         self._wakeup = threading.Condition()
@@ -111,6 +115,8 @@ class TorchEngine(BatchingEngine):
         self._check_fits(min(len(ids) + params.max_tokens, self.max_model_len))
         seq = Sequence(f"{self.name}-{next(_request_ids)}", ids, len(ids), params, Future(), on_text=on_text,
                        generator=make_generator(params))
+        if params.structured is not None:
+            seq.matcher = self._grammar_set().matcher(params.structured)
         if on_text is not None or params.stop:
             seq.text = TextStream(self._decode_generated, params.stop)
         return seq
@@ -195,6 +201,12 @@ class TorchEngine(BatchingEngine):
             self._stats.requests_submitted += len(seqs)
             self._wakeup.notify()
         return [s.future for s in seqs]
+
+    def _grammar_set(self) -> Grammars:
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self._eos)
+            return self._grammars
 
     def _decode_generated(self, token_ids: SequenceABC[int]) -> str:
         return self.detokenize([t for t in token_ids if t not in self._eos])
@@ -284,7 +296,8 @@ class TorchEngine(BatchingEngine):
                                                   self.block_size, tuple(seq.block_hashes)))
                 continue
             try:
-                self._append_token(seq, sample(logits[row], seq.params, seq.generator))
+                mask = None if seq.matcher is None else allowed(seq.matcher, logits.shape[-1])
+                self._append_token(seq, sample(logits[row], seq.params, seq.generator, mask))
             except Exception as exc:  # noqa: BLE001 - e.g. a user's on_text callback raised
                 self._fail(seq, exc)
             row += 1
@@ -295,6 +308,10 @@ class TorchEngine(BatchingEngine):
         reason = None
         if token in self._eos and not seq.params.ignore_eos:
             reason = "eos"
+        elif seq.matcher is not None:
+            advance(seq.matcher, token)
+            if seq.matcher.is_stopped():  # the grammar is complete: EOS is all that could follow,
+                reason = "eos"  # so it ends here, as vLLM's does when it samples that EOS
         if seq.text is not None:
             delta = seq.text.update(seq.generated)
             if seq.text.stopped:

@@ -81,7 +81,19 @@ def sampling_kwargs(params: SamplingParams) -> dict:
         kwargs["stop"] = list(params.stop)
     if params.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(params.allowed_token_ids)
+    if params.structured is not None:
+        kwargs["structured_outputs"] = structured_outputs_kwargs(params)
     return kwargs
+
+
+STRUCTURED_FIELDS = {"json_schema": "json", "choice": "choice", "regex": "regex"}
+
+
+def structured_outputs_kwargs(params: SamplingParams) -> dict:
+    """A constraint as keyword arguments of ``vllm.sampling_params.StructuredOutputsParams``.
+    The engine runs them on vLLM's "guidance" backend: llguidance, as our torch engine does,
+    so both read the same grammar."""
+    return {STRUCTURED_FIELDS[params.structured.kind]: params.structured.value}
 
 
 def finish_reason(reason: str | None, stop_reason: int | str | None) -> str:
@@ -250,13 +262,14 @@ class VLLMEngine(BatchingEngine):
         return f"<VLLMEngine {self.name!r}, {self._stats.cache_blocks_total} blocks>"
 
     async def _start(self, args: dict):
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self._events_endpoint is not None:
             args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                       endpoint=self._events_endpoint)
+        args.setdefault("structured_outputs_config", StructuredOutputsConfig(backend="guidance"))
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[self._stat_logger()])
 
     def _call(self, coro, timeout: float | None = None):
@@ -357,9 +370,12 @@ class VLLMEngine(BatchingEngine):
                         on_text: TokenCallback | None, future: Future, prefill_hashes) -> None:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        vllm_params = VLLMSamplingParams(**sampling_kwargs(params), output_kind=RequestOutputKind.CUMULATIVE)
+        kwargs = sampling_kwargs(params)
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        vllm_params = VLLMSamplingParams(**kwargs, output_kind=RequestOutputKind.CUMULATIVE)
         final, sent = None, 0
         try:
             async for output in self._engine.generate(TokensPrompt(prompt_token_ids=ids), vllm_params, request_id):
