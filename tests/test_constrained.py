@@ -98,7 +98,8 @@ def test_choices_and_regex_with_greedy_and_seeded_sampling(tiny_engine):
 
 
 def test_an_answer_cut_by_max_tokens_says_length(tiny_engine):
-    (c,) = tiny_engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3, structured=StructuredOutput.json_schema(PERSON)))
+    params = SamplingParams(max_tokens=3, structured=StructuredOutput.json_schema(PERSON))
+    (c,) = tiny_engine.generate(PROMPTS[:1], params)
     assert c.finish_reason == "length" and len(c.token_ids) == 3
     with pytest.raises(json.JSONDecodeError):
         json.loads(c.text)
@@ -151,7 +152,8 @@ def test_greedy_constrained_tokens_equal_transformers_with_the_same_mask(smollm2
             return scores.masked_fill(~allowed(self.matcher, scores.shape[-1]), float("-inf"))
 
     with TorchEngine(smollm2_model_dir) as engine:
-        ours = [engine.generate([p], SamplingParams(max_tokens=24, structured=c))[0] for p, c in zip(prompts, constraints)]
+        ours = [engine.generate([p], SamplingParams(max_tokens=24, structured=c))[0]
+                for p, c in zip(prompts, constraints)]
     for prompt, constraint, got in zip(prompts, constraints, ours):
         ids = tokenizer(prompt).input_ids
         assert engine.tokenize(prompt) == ids
@@ -181,7 +183,8 @@ def test_the_constraint_maps_onto_vllm_structured_outputs():
 
 def test_vllm_takes_the_mapped_keywords():
     vllm = pytest.importorskip("vllm.sampling_params", reason="vllm is not installed here")
-    for constraint in (StructuredOutput.json_schema(PERSON), StructuredOutput.choice(["a"]), StructuredOutput.regex("x")):
+    for constraint in (StructuredOutput.json_schema(PERSON), StructuredOutput.choice(["a"]),
+                       StructuredOutput.regex("x")):
         vllm.StructuredOutputsParams(**sampling_kwargs(SamplingParams(structured=constraint))["structured_outputs"])
 
 

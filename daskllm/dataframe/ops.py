@@ -160,7 +160,7 @@ def schema_dtype(schema: dict):
     """A column's dtype for answers to ``schema``: an Arrow struct where it is a flat object of
     scalar properties (so parquet stores named typed fields), else Python objects."""
     properties = schema.get("properties") if schema.get("type") == "object" else None
-    if not properties or schema.get("additionalProperties", False) is not False:
+    if not properties or schema.get("additionalProperties") is not False:  # other keys: no fixed fields
         return object
     types = {name: ARROW_TYPES.get(p.get("type")) if isinstance(p, dict) else None for name, p in properties.items()}
     if None in types.values():
