@@ -303,6 +303,24 @@ def _tokenizer_for(model: str) -> PromptTokenizer:
 
 _tokenizer_lock = threading.RLock()
 
+# Every name daskllm takes from transformers' lazy module. Resolving one for the first time is
+# not thread-safe (two threads can see a half-imported submodule: "cannot import name ...").
+_TRANSFORMERS_NAMES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+                       "AutoTokenizer", "GenerationConfig", "LlamaConfig", "LlamaForCausalLM",
+                       "PreTrainedTokenizerFast")
+
+
+def import_transformers() -> None:
+    """Resolve transformers' lazy names once, in one thread, before a worker's engine loading
+    and its tasks use them from several."""
+    with _tokenizer_lock:
+        import transformers
+        import transformers.modeling_rope_utils  # noqa: F401
+        import transformers.utils.logging  # noqa: F401
+
+        for name in _TRANSFORMERS_NAMES:
+            getattr(transformers, name)
+
 
 def render_value(value) -> str:
     """How an upstream output fills a slot: text as is, lists one item per line, hits by their text."""

@@ -32,6 +32,7 @@ from distributed.diagnostics import nvml
 from daskllm.engines import KINDS, Engine, EngineSpec
 from daskllm.engines.protocol import gather_requests
 from daskllm.models import is_cross_encoder, model_name, resolve
+from daskllm.prompts import import_transformers
 from daskllm.worker.usage import UsageLog
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class EngineHost(WorkerPlugin):
                 self._loaded.set()
                 raise self._load_error from exc
         worker.metrics["daskllm"] = self.metrics
+        import_transformers()  # before engine loading and tasks use it from other threads
         if worker.status == Status.running:
             # Registered on a running worker: the caller waits for the engines, and sees a failure.
             await self._load()
