@@ -45,6 +45,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from attribution import attributed  # noqa: E402
 from machine import log, machine_info  # noqa: E402
 
+from daskllm.worker.costs import calibrate  # noqa: E402
+
 BASELINES = ("sequential", "opwise", "dask")
 ABLATIONS = {"-cse": "cse", "-prefix": "prefix", "-stage": "stage", "-pipeline": "pipeline", "-cache": "cache",
              "-placement": None, "-release": None}
@@ -166,30 +168,6 @@ def measure(client, system: str, fn, inputs, config: dict, attribute: bool = Fal
 
 
 # --- the engines' best per-token costs ------------------------------------------------------
-
-
-def calibrate(model: str, prefill_prompts: int = 16, prompt_tokens: int = 256, decode_seqs: int = 64,
-              decode_tokens: int = 24, dask_worker=None) -> dict:
-    """Seconds per prefill token (a big batch of fresh prompts) and per decode token (a full
-    batch of short prompts), on this worker's engine: the best it does."""
-    import random
-
-    from daskllm.engines import SamplingParams
-    from daskllm.worker import get_engine
-
-    engine = get_engine(model)
-    rng = random.Random(os.getpid())
-
-    def fresh(n: int) -> list[int]:  # random ids: nothing in the prefix cache matches
-        return [0] + [rng.randrange(10, 16000) for _ in range(n - 1)]
-
-    start = time.perf_counter()
-    engine.generate([fresh(prompt_tokens) for _ in range(prefill_prompts)], SamplingParams(max_tokens=1))
-    prefill = (time.perf_counter() - start) / (prefill_prompts * prompt_tokens)
-    start = time.perf_counter()
-    engine.generate([fresh(8) for _ in range(decode_seqs)], SamplingParams(max_tokens=decode_tokens, ignore_eos=True))
-    decode = max(0.0, time.perf_counter() - start - decode_seqs * 8 * prefill) / (decode_seqs * decode_tokens)
-    return {"prefill_s_per_token": prefill, "decode_s_per_token": decode}
 
 
 def costs(client, models: list[str]) -> dict[str, dict]:

@@ -19,6 +19,7 @@ import functools
 from dataclasses import dataclass
 
 import dask.base
+import dask.dataframe as dd
 import numpy as np
 from dask.delayed import Delayed
 
@@ -310,11 +311,16 @@ def _lift_prompt(builder: str, p: Prompt, options: dict) -> Node | None:
     return _pmap(p.values[slot], Stage(fn, len(others), lazy_ok=True), list(others.values()))
 
 
-def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None, release_threads=None) -> dict:
+def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None, release_threads=None, **options):
     """Print (and return) the optimized plan: passes applied, tasks by type, calls merged, tokens saved.
 
     The settings are those of :func:`compute`: ``explain(node, passes=[], granularity="query")``
-    shows the naive plan."""
+    shows the naive plan. Given a dask dataframe or series built with ``.llm`` operators, it
+    prints and returns its cost preview instead (``ddf.llm.estimate(**options)``)."""
+    if len(nodes) == 1 and isinstance(nodes[0], (dd.DataFrame, dd.Series)):
+        preview = nodes[0].llm.estimate(**options)  # the accessor is registered by daskllm.dataframe
+        print(preview, file=file)
+        return preview
     settings = {k: v for k, v in {"passes": passes, "granularity": granularity,
                                   "result_cache": result_cache,
                                   "release_threads": release_threads}.items() if v is not None}
@@ -330,7 +336,7 @@ def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None,
     if "prefix" in report:
         r = report["prefix"]
         lines.append(f"shared-prefix prefill: {r['prefills']} prefills ({r['shared']} shared, {r['partial']} partial),"
-                     f" about {r['prefill_tokens_saved']} prefill tokens saved")
+                     f" {r['prefill_tokens_cached']} prefill tokens read from the prefix cache")
     if "stage" in report:
         r = report["stage"]
         lines.append(f"stage split: {r['nodes_split']} nodes into {r['stages']} stages, "

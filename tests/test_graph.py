@@ -343,7 +343,7 @@ def test_explain_prints_the_plan(capsys):
     report = daskllm.explain(node)
     out = capsys.readouterr().out
     assert "passes applied: cse, cache, prune, prefix, pipeline, stage" in out
-    assert "decode" in out and "calls merged" in out and "prefill tokens saved" in out
+    assert "decode" in out and "calls merged" in out and "prefill tokens read from the prefix cache" in out
     assert report["cse"]["merged"] == 2
 
 

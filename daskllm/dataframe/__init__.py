@@ -25,6 +25,9 @@ with the reason in ``<out>_error`` (``on_error="null"``); the other rows finish 
 
 from daskllm.budget import Budget
 from daskllm.dataframe.accessor import LLMAccessor, LLMSeriesAccessor
+from daskllm.dataframe.estimate import OperatorEstimate, TableEstimate, calibrate, estimate
+from daskllm.dataframe.progress import progress
 from daskllm.dataframe.ops import BudgetExceeded, Op, RowError
 
-__all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "LLMSeriesAccessor", "Op", "RowError"]
+__all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "LLMSeriesAccessor", "Op", "OperatorEstimate", "RowError",
+           "TableEstimate", "calibrate", "estimate", "progress"]

@@ -11,6 +11,7 @@ from daskllm import api
 from daskllm.budget import Budget
 from daskllm.dataframe.calls import summarize_chunk, summarize_parts
 from daskllm.dataframe.dedupe import plan
+from daskllm.dataframe.estimate import TableEstimate, estimate
 from daskllm.dataframe.joins import sim_join
 from daskllm.dataframe.ops import CASTS, DTYPES, KEY, STRING, Op, as_struct, fields_schema, schema_dtype, yes_no
 from daskllm.dataframe.rows import lookup, pair_keys, render
@@ -208,6 +209,11 @@ class LLMAccessor:
                               split_every=split_every, meta=(None, object), chunk_kwargs=options,
                               aggregate_kwargs=options, combine_kwargs=options)
 
+    def estimate(self, **options) -> TableEstimate:
+        """Before running: rows, distinct prompts, tokens, stored results and time of each LLM
+        operator this table will run (see :func:`daskllm.dataframe.estimate.estimate`)."""
+        return estimate(self._ddf, **options)
+
     def _column(self, column: str) -> None:
         if column not in self._ddf.columns:
             raise KeyError(f"{column!r} is not a column; columns are {list(self._ddf.columns)}")
@@ -232,6 +238,9 @@ class LLMSeriesAccessor:
 
     def filter(self, predicate: str, **options):
         return self._frame().llm.filter(predicate, **options)[self._series.name]
+
+    def estimate(self, **options) -> TableEstimate:
+        return estimate(self._series, **options)
 
     def embed(self, **options):
         out = options.pop("out", None) or f"{self._series.name}_embedding"

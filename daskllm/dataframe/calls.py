@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -94,11 +95,16 @@ def call_node(rows: pd.DataFrame, op: Op, slots: tuple):
     if not slots:
         values = {}
     p = api.chat([{"role": "user", "content": template}], **values) if op.chat else api.prompt(template, **values)
-    s = op.sampling
-    allowed = yes_no(op.model) if op.kind == "filter" else digits(op.model) if op.kind == "rate" else ()
+    s = call_sampling(op)
     return api.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=allowed,
+                            seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=s.allowed_token_ids,
                             **constraint_options(s.structured))
+
+
+def call_sampling(op: Op) -> SamplingParams:
+    """The sampling parameters each generation of ``op`` runs with (part of its result-store key)."""
+    allowed = yes_no(op.model) if op.kind == "filter" else digits(op.model) if op.kind == "rate" else ()
+    return dataclasses.replace(op.sampling, allowed_token_ids=allowed)
 
 
 

@@ -55,12 +55,10 @@ def max_len(model: str) -> int:
 
 
 
-def costs(distinct: pd.DataFrame, op: Op) -> list:
-    """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
-    if op.kind in ("embed", "search", "rerank"):
-        return [None] * len(distinct)
-    tok, limit = tokenizer_for(op.model), max_len(op.model)
-    # The ids the engine will see: the whole prompt string, tokenized as daskllm prompts are.
+def prompt_ids(distinct: pd.DataFrame, op: Op) -> list[list[int]]:
+    """Per input of an LLM operator: the prompt token ids the engine will see (the whole prompt
+    string, tokenized as daskllm prompts are)."""
+    tok = tokenizer_for(op.model)
     segments = parse_template(full_template(op))
     out = []
     for row in distinct.to_dict("records"):
@@ -68,7 +66,18 @@ def costs(distinct: pd.DataFrame, op: Op) -> list:
         if op.chat:
             text = tok.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                      add_generation_prompt=True)
-        n = len(tok.encode(text, not op.chat))
+        out.append(tok.encode(text, not op.chat))
+    return out
+
+
+def costs(distinct: pd.DataFrame, op: Op) -> list:
+    """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
+    if op.kind in ("embed", "search", "rerank"):
+        return [None] * len(distinct)
+    limit = max_len(op.model)
+    out = []
+    for ids in prompt_ids(distinct, op):
+        n = len(ids)
         if n + 1 > limit:
             out.append(f"prompt has {n} tokens; model {op.model!r} holds at most {limit} including one generated")
         else:

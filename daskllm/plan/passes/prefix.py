@@ -88,7 +88,7 @@ class SharedPrefixPrefill:
                 by_prefix.setdefault(prefix, []).append((node, members, static))
         prefills: dict[tuple[str, tuple[int, ...]], Node] = {}
         assigned: dict[Node, list] = {}  # generate node -> per call, the prefill it waits for
-        shared = partial = saved = 0
+        shared = partial = served = 0
         for model, by_prefix in calls.items():
             trie = _Trie()
             blocks_of = {prefix: _blocks(prefix, block) for prefix in by_prefix}
@@ -107,7 +107,10 @@ class SharedPrefixPrefill:
                     else:
                         continue
                     key = (model, tokens)
-                    reused = len(members)
+                    # What each decode then reads from the cache (what usage reports as prefill
+                    # tokens cached): the prefix, less the last prompt token that a generation
+                    # always computes; the prefill's own tokens are computed, not read.
+                    served += len(members) * (min(len(tokens), len(prefix) - 1) if static else len(tokens))
                     if key not in prefills:
                         # A partial prefill serves one call: lowering batches those of a decode
                         # shard into one task, placed with the shard.
@@ -115,8 +118,6 @@ class SharedPrefixPrefill:
                         graph.add_node(prefills[key])
                         shared += kind == "shared"
                         partial += kind == "partial"
-                        reused -= 1
-                    saved += reused * len(tokens)
                     pre = prefills[key]
                     if node not in assigned:
                         assigned[node] = [None] * node.n
@@ -126,5 +127,5 @@ class SharedPrefixPrefill:
         for node, pres in assigned.items():
             decide(graph, node, prefills=tuple(pres))
         plan.report["prefix"] = {"prefills": len(prefills), "shared": shared, "partial": partial,
-                                 "prefill_tokens_saved": saved}
+                                 "prefill_tokens_cached": served}
         return graph

@@ -1,0 +1,46 @@
+"""The engines' best measured per-token costs, on this worker: what a cost preview's time
+estimate and a benchmark's ideal time are computed from.
+
+:func:`calibrate` times the resident engine on fresh random prompts (nothing in the prefix
+cache matches) and keeps the result in this process, where :func:`measured` reads it
+without touching the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+from daskllm.engines import SamplingParams
+from daskllm.worker.host import get_engine
+
+# model -> {"prefill_s_per_token", "decode_s_per_token"}: this worker's best measurement.
+MEASURED: dict[str, dict[str, float]] = {}
+
+
+def calibrate(model: str, prefill_prompts: int = 16, prompt_tokens: int = 256, decode_seqs: int = 64,
+              decode_tokens: int = 24, dask_worker=None) -> dict:
+    """Seconds per prefill token (a big batch of fresh prompts) and per decode token (a full
+    batch of short prompts), on this worker's engine: the best it does."""
+    engine = get_engine(model)
+    rng = random.Random(os.getpid())
+
+    def fresh(n: int) -> list[int]:  # random ids: nothing in the prefix cache matches
+        return [0] + [rng.randrange(10, 16000) for _ in range(n - 1)]
+
+    start = time.perf_counter()
+    engine.generate([fresh(prompt_tokens) for _ in range(prefill_prompts)], SamplingParams(max_tokens=1))
+    prefill = (time.perf_counter() - start) / (prefill_prompts * prompt_tokens)
+    start = time.perf_counter()
+    engine.generate([fresh(8) for _ in range(decode_seqs)], SamplingParams(max_tokens=decode_tokens, ignore_eos=True))
+    decode = max(0.0, time.perf_counter() - start - decode_seqs * 8 * prefill) / (decode_seqs * decode_tokens)
+    cost = {"prefill_s_per_token": prefill, "decode_s_per_token": decode}
+    best = MEASURED.get(model)
+    MEASURED[model] = cost if best is None else {k: min(v, best[k]) for k, v in cost.items()}
+    return cost
+
+
+def measured(dask_worker=None) -> dict[str, dict[str, float]]:
+    """What :func:`calibrate` measured in this process, per model (empty: nothing yet)."""
+    return dict(MEASURED)

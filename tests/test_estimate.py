@@ -1,0 +1,149 @@
+"""The cost preview of table jobs (``ddf.llm.estimate()``, ``daskllm.explain(ddf)``), checked
+against what the run then really does, on a multi-process cluster with the tiny model."""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+
+import dask.dataframe as dd
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+import daskllm
+from daskllm.dataframe import TableEstimate
+
+# The result store on (the session switches it off elsewhere), emptied before each test: the
+# preview reports its hits.
+from test_result_store import client, empty_store, store_path  # noqa: F401 - fixtures
+
+QUESTIONS = ["How do I read JSON?", "How do I parse CSV?", "How do I sort a list?", "How do I open a file?"]
+TEMPLATE = "Answer in one line. Q: {q}\nA:"
+
+
+def table(questions: list[str], npartitions: int) -> dd.DataFrame:
+    df = pd.DataFrame({"q": pd.Series(questions, dtype=pd.ArrowDtype(pa.string())), "n": range(len(questions))})
+    return dd.from_pandas(df, npartitions=npartitions)
+
+
+@pytest.mark.parametrize("operator", ["map", "filter"])
+def test_the_exact_estimate_matches_the_run(client, operator):
+    job = table(QUESTIONS * 4, 3)
+    job = job.llm.map(TEMPLATE, max_tokens=6, out="a") if operator == "map" else job.llm.filter("Files? {q}")
+    preview = job.llm.estimate()
+    (op,) = preview.operators
+    assert (op.operator, op.method, op.rows, op.distinct, op.cache_hits, op.calls) == (operator, "exact", 16, 4, 0, 4)
+    with daskllm.usage() as u:
+        job.compute()
+    assert u.operators[operator]["rows"] == op.rows and u.operators[operator]["distinct"] == op.distinct
+    assert u.prefill_tokens == op.prompt_tokens  # tokenized as the engine sees them
+    assert 0 < u.decode_tokens <= op.output_tokens == 4 * (6 if operator == "map" else 1)
+
+
+def test_a_second_preview_counts_the_stored_results_as_hits(client):
+    job = table(QUESTIONS * 2, 2).llm.map(TEMPLATE, max_tokens=4)
+    assert job.llm.estimate().operators[0].cache_hits == 0
+    job.compute()
+    (op,) = job.llm.estimate().operators
+    assert (op.distinct, op.cache_hits, op.calls, op.prompt_tokens, op.output_tokens) == (4, 4, 0, 0, 0)
+    with daskllm.usage() as u:
+        job.compute()
+    assert u.executed.get("generate", 0) == op.calls
+
+
+def test_a_sampled_estimate_is_close_to_the_exact_one(client):
+    # 40 partitions of 25 rows; 200 distinct questions, each 5 times, in a shuffled order.
+    questions = [f"What is {i} times {i % 7}?" for i in range(200)] * 5
+    random.Random(0).shuffle(questions)
+    job = table(questions, 40).llm.map(TEMPLATE, max_tokens=4)
+    exact = job.llm.estimate(exact=True).operators[0]
+    sampled = job.llm.estimate(exact=False, sample_partitions=8).operators[0]
+    assert exact.distinct == 200 and sampled.method == "sampled 8 of 40 partitions" and sampled.rows == 1000
+    # Tolerance: a sample of a fifth of the table puts the distinct count and tokens within 35%.
+    assert abs(sampled.distinct - exact.distinct) <= 0.35 * exact.distinct
+    assert abs(sampled.prompt_tokens - exact.prompt_tokens) <= 0.35 * exact.prompt_tokens
+
+
+def test_the_distinct_count_from_a_sample_is_exact_at_the_extremes():
+    from daskllm.dataframe.estimate import distinct_count
+
+    assert distinct_count(pd.Series([f"p{i}" for i in range(50)]), 1000) == 1000  # all distinct
+    assert distinct_count(pd.Series(["same"] * 50), 1000) == 1
+
+
+def test_a_chained_operator_is_bounded_by_the_rows_before_it(client):
+    job = table(QUESTIONS * 4, 3).llm.map(TEMPLATE, max_tokens=4, out="a").llm.filter("Useful? {a}")
+    first, second = job.llm.estimate().operators
+    assert (first.operator, first.method, first.distinct) == ("map", "exact", 4)
+    assert second.operator == "filter" and second.method.startswith("upper bound")
+    assert second.rows == second.distinct == 16 and second.prompt_tokens is None
+    with daskllm.usage() as u:
+        job.compute()
+    assert u.operators["filter"]["distinct"] <= second.distinct
+
+
+def test_a_column_that_is_never_read_is_not_counted(client):
+    job = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4, out="a")
+    assert job.llm.estimate().operators and not job[["n"]].llm.estimate().operators
+
+
+def test_explain_on_a_dataframe_prints_the_preview(client, capsys):
+    job = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4, out="a")
+    preview = daskllm.explain(job)
+    assert isinstance(preview, TableEstimate)
+    printed = capsys.readouterr().out
+    assert "operator" in printed and "map" in printed and "exact" in printed
+    assert "no measured per-token cost for 'tiny'" in printed and preview.seconds is None
+    assert preview.to_dict()["operators"][0]["distinct"] == 4
+    assert "<table>" in preview._repr_html_() and "<td>map</td>" in preview._repr_html_()
+    assert isinstance(daskllm.explain(job["a"]), TableEstimate)  # a series too
+
+
+def test_after_calibration_the_preview_has_a_time(client):
+    costs = daskllm.dataframe.calibrate()
+    assert costs["tiny"]["prefill_s_per_token"] > 0 and costs["tiny"]["engines"] == 2
+    preview = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4).llm.estimate()
+    assert preview.seconds is not None and preview.seconds > 0 and "estimated time:" in str(preview)
+
+
+# --- progress ------------------------------------------------------------------------------------
+
+
+def test_the_progress_bar_reaches_every_partition_and_counts_rows_and_calls(client):
+    out = io.StringIO()
+    job = table(QUESTIONS * 4, 3).llm.map(TEMPLATE, max_tokens=4, out="a")
+    done = daskllm.dataframe.progress(job, file=out, interval=0.1)
+    assert len(done.compute()) == 16
+    final = re.split(r"[\r\n]", out.getvalue().strip())[-1]  # the bar as it was left
+    assert "3/3" in final and "100%" in final
+    assert "rows=16" in final and "calls=4" in final
+
+
+def test_the_progress_bar_closes_and_raises_when_the_job_fails(client):
+    out = io.StringIO()
+    job = table(["word " * 5000, *QUESTIONS], 2).llm.map(TEMPLATE, max_tokens=4, out="a")  # row 0 is too long
+    with pytest.raises(daskllm.dataframe.RowError, match="row 0"):
+        daskllm.dataframe.progress(job, file=out, interval=0.1)
+    assert "100%" not in out.getvalue()
+
+
+# --- explain on graphs ---------------------------------------------------------------------------
+
+SYSTEM = "You are a careful assistant for Python programmers. Answer with short, correct code. "
+
+
+@pytest.mark.parametrize("shape", ["shared", "partial"])
+def test_explains_prefix_cache_tokens_are_what_the_run_reads_from_the_cache(client, shape):
+    questions = [f"How do I do thing {i} in Python?" for i in range(6)] + ["How do I do thing 0 in Python?"]
+    if shape == "shared":  # one system prompt, then each question: one shared prefill
+        node = daskllm.generate(daskllm.prompt(SYSTEM + "Q: {q}\nA:", q=questions), max_tokens=4)
+    else:  # each prompt waits for an upstream answer: what it knows is prefilled early
+        draft = daskllm.generate(daskllm.prompt("Q: {q}", q=questions[:3]), max_tokens=4)
+        node = daskllm.generate(daskllm.prompt(SYSTEM + "Improve: {a}\nB:", a=draft), max_tokens=4)
+    report = daskllm.explain(node, file=io.StringIO())["prefix"]
+    assert report[shape] == 1 and report["prefill_tokens_cached"] > 0
+    with daskllm.usage() as u:
+        daskllm.compute(node, result_cache=False)
+    assert u.prefill_tokens_cached == report["prefill_tokens_cached"]
