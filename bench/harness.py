@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import pathlib
 import statistics
 import sys
