@@ -87,8 +87,15 @@ class TableEstimate:
 
     def _footer(self) -> list[str]:
         total = self.seconds
-        lines = [f"estimated time: {total:.3g} s" if total is not None else "estimated time: unknown"]
-        return lines + list(self.notes)
+        known = [o for o in self.operators if o.seconds is not None]
+        if total is not None:
+            line = f"estimated time: {total:.3g} s"
+        elif known:
+            line = (f"estimated time: {sum(o.seconds for o in known):.3g} s for {', '.join(o.operator for o in known)}"
+                    f"; unknown for the rest")
+        else:
+            line = "estimated time: unknown"
+        return [line, *self.notes]
 
     def __str__(self) -> str:
         rows = [list(self.COLUMNS)] + self._cells()

@@ -63,5 +63,6 @@ class UsageLog(OrderedDict):
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
+        self.move_to_end(key)  # a task run again (same key) is the newest entry: the log stays in time order
         while len(self) > self.limit:
             self.popitem(last=False)
