@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 import dask
 import pandas as pd
 from dask.dataframe.dask_expr._collection import new_collection
-from dask.dataframe.dask_expr._expr import DropDuplicates, DropnaFrame, MapPartitions
+from dask.dataframe.dask_expr._expr import DropnaFrame, MapPartitions
+from dask.dataframe.dask_expr._reductions import DropDuplicates
 from dask.dataframe.dask_expr.io.io import FromPandas
 
 from daskllm.dataframe.calls import call_sampling
@@ -128,8 +129,8 @@ def upstream_calls(expr) -> list:
 
 def operator_of(expr) -> tuple[Op, tuple]:
     """A call step's operator and its template's slots."""
-    op = next(a for a in expr.args if isinstance(a, Op))
-    return op, expr.args[expr.args.index(op) + 1]
+    i = next(i for i, a in enumerate(expr.args) if isinstance(a, Op))  # args hold expressions: no ==
+    return expr.args[i], expr.args[i + 1]
 
 
 def keyed_rows(expr):
