@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import dask
 import dask.dataframe as dd
@@ -248,3 +249,22 @@ def test_a_dropped_index_never_answers_from_remembered_results(client):
     assert index.version != before
     with pytest.raises(Exception, match=r"index 'dropped' shard \d+ is not on worker"):  # it searches the cluster, where the index is gone
         daskllm.compute(daskllm.search(index, daskllm.batch(["what colour is the sky?"]), k=1))
+
+
+def test_engines_with_other_numerics_never_answer_for_each_other(tmp_path, tiny_model_dir):
+    store = ResultStore(tmp_path / "store", 10**8)
+
+    class Engine:  # what the key reads of an engine: its model directory and its numerics
+        def __init__(self, dtype, device):
+            self.path, self.model = tiny_model_dir, types.SimpleNamespace(dtype=dtype, device=device)
+
+    cpu, gpu = store.engine_identity(Engine("float32", "cpu")), store.engine_identity(Engine("bfloat16", "cuda:0"))
+    assert cpu != gpu and cpu.split("|")[0] == gpu.split("|")[0]  # same files, other numerics
+    assert store.engine_identity(Engine("float32", "cpu")) == cpu
+    sampling = SamplingParams(max_tokens=4)
+    store.put(decode_key(gpu, [1, 2], sampling), StoredCompletion("hi", (5,), "length"))
+    assert store.get(decode_key(cpu, [1, 2], sampling)) is None
+    # A cost preview does not know which engine will run a call: any engine's stored result counts.
+    assert is_stored(str(tiny_model_dir), [1, 2], sampling, store)
+    assert not is_stored(str(tiny_model_dir), [1, 3], sampling, store)
+    assert store.info()["entries"] == 1  # the remembered numerics are not results

@@ -114,7 +114,7 @@ def _lookup_decodes(store: ResultStore | None, engine, prompts: list, sampling: 
     if store is None or path is None or not sampling.deterministic:
         return [None] * len(prompts), [None] * len(prompts)
     try:
-        identity = store.model_identity(path)
+        identity = store.engine_identity(engine)
         keys = [decode_key(identity, p, sampling) for p in prompts]
         return keys, store.get_many(keys)
     except Exception as exc:  # noqa: BLE001 - a broken store costs recomputation, never the call
@@ -258,11 +258,11 @@ def run_embed(task_key: str, model: str, origins: Origins, items: list, *deps) -
 
 def _lookup_embeds(store: ResultStore | None, model: str, texts: list[str]):
     """Each text's content key (None: not stored) and stored vector (None: not found)."""
-    path = getattr(get_engine(model, "embed"), "path", None) if store is not None else None
-    if path is None:
+    engine = get_engine(model, "embed") if store is not None else None
+    if getattr(engine, "path", None) is None:
         return [None] * len(texts), [None] * len(texts)
     try:
-        identity = store.model_identity(path)
+        identity = store.engine_identity(engine)
         keys = [embed_key(identity, t) for t in texts]
         return keys, store.get_many(keys)
     except Exception as exc:  # noqa: BLE001 - a broken store costs recomputation, never the call

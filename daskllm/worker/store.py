@@ -5,11 +5,12 @@ submitting it and writes each result right after computing it, so graphs and tab
 share it, a second run of a job executes nothing, and a run that died resumes from what
 its finished tasks wrote. A call's key is its content, never its place in a plan:
 
-    key = sha256(model identity, exact prompt token ids (or text), every SamplingParams field)
+    key = sha256(model identity and engine numerics, exact prompt token ids (or text), every SamplingParams field)
 
 The model identity is a digest of the model directory's files (weights, config, tokenizer),
 computed once per process and remembered in the store by (path, size, mtime) of each file,
-so a changed model never answers from an old one's results. Only deterministic calls
+so a changed model never answers from an old one's results, plus the engine's numerics
+(backend, dtype, device), so a GPU bf16 engine never answers for a CPU fp32 one. Only deterministic calls
 (greedy, or sampled with a seed) are stored.
 
 Values live in a ``diskcache.Cache`` (SQLite index plus files; safe across the processes of
@@ -46,6 +47,8 @@ from daskllm.engines import SamplingParams
 from daskllm.models import cache_dir, resolve
 
 _MODEL_DIGESTS = "model-digest"  # entries remembering a model directory's digest, not results
+_NUMERICS = "numerics"  # per model digest: the engines' numerics (backend, dtype, device) that stored results
+_META = (_MODEL_DIGESTS, _NUMERICS)
 _FORMAT = 1  # bump when a stored value's layout changes: old entries are then never read
 
 
@@ -75,6 +78,7 @@ class ResultStore:
         self.size_limit = int(size_limit)
         self._cache = diskcache.Cache(str(self.path), size_limit=self.size_limit)
         self._digests: dict[tuple, str] = {}
+        self._numerics: dict[str, tuple[str, ...]] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str):
@@ -115,9 +119,31 @@ class ResultStore:
             self._digests[remembered_key] = digest
         return digest
 
+    def engine_identity(self, engine) -> str:
+        """What decides an engine's tokens: its model files and its numerics (backend, dtype,
+        device). A torch fp32 CPU worker and a vLLM bf16 GPU worker sharing one store path
+        never answer for each other. The numerics are remembered per model for :func:`is_stored`."""
+        digest, kind = self.model_identity(engine.path), numerics(engine)
+        with self._lock:
+            known = self._numerics.get(digest)
+        if known is None or kind not in known:
+            with self._cache.transact():
+                seen = tuple(self._cache.get((_NUMERICS, digest), ()))
+                if kind not in seen:
+                    seen = (*seen, kind)
+                    self._cache.set((_NUMERICS, digest), seen)
+            with self._lock:
+                self._numerics[digest] = seen
+        return f"{digest}|{kind}"
+
+    def identities(self, model_dir: str | os.PathLike) -> list[str]:
+        """Every engine identity of this model that has stored results (any backend, dtype, device)."""
+        digest = self.model_identity(model_dir)
+        return [f"{digest}|{kind}" for kind in self._cache.get((_NUMERICS, digest), ())]
+
     def info(self) -> dict:
         """Location, entries (results), bytes on disk and the size limit."""
-        entries = sum(1 for k in self._cache.iterkeys() if not (isinstance(k, tuple) and k[:1] == (_MODEL_DIGESTS,)))
+        entries = sum(1 for k in self._cache.iterkeys() if not (isinstance(k, tuple) and k[:1] and k[0] in _META))
         return {"path": str(self.path), "entries": entries, "size_bytes": self._cache.volume(),
                 "size_limit": self.size_limit, "enabled": bool(config.get("result-store.enabled"))}
 
@@ -152,6 +178,14 @@ def _sampling_fields(sampling: SamplingParams) -> list:
     return [[f.name, repr(getattr(sampling, f.name))] for f in dataclasses.fields(sampling)]
 
 
+def numerics(engine) -> str:
+    """An engine's backend, dtype and device: the same weights give other tokens under others."""
+    model = getattr(engine, "model", None)
+    dtype = getattr(model, "dtype", None) or getattr(engine, "dtype", None) or getattr(engine, "options", {}).get("dtype")
+    device = getattr(model, "device", None) or getattr(engine, "device", None)
+    return f"{type(engine).__name__}:{dtype or 'default'}:{device or 'default'}"
+
+
 def decode_key(identity: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> str | None:
     """A generation's content key; None for a call that is not deterministic (never stored)."""
     if not sampling.deterministic:
@@ -171,5 +205,5 @@ def is_stored(model: str, prompt_ids: Sequence[int], sampling: SamplingParams,
     store = store if store is not None else open_store()
     if store is None:
         return False
-    key = decode_key(store.model_identity(resolve(model)), prompt_ids, sampling)
-    return key is not None and store.contains(key)
+    keys = [decode_key(identity, prompt_ids, sampling) for identity in store.identities(resolve(model))]
+    return any(key is not None and store.contains(key) for key in keys)
