@@ -3,6 +3,7 @@
     python bench/dataframe.py --json out.json
     python bench/dataframe.py --quick            # smoke run: fewer rows
     python bench/dataframe.py --scale 100000     # map then filter on 100,000 rows: peak memory
+    python bench/dataframe.py --cascade          # filter cascades on labelled yes/no questions
 
 Cluster: ``LocalLLMCluster(models=[MODEL], n_workers=2, threads_per_worker=4)``; tables are
 dask dataframes of ``--partitions`` partitions with pyarrow strings:
@@ -106,9 +107,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--scale", type=int, metavar="ROWS", help="map then filter on ROWS rows: peak memory")
     parser.add_argument("--json")
+    parser.add_argument("--cascade", action="store_true", help="oracle-only filter against cascades (see cascade_main)")
     args = parser.parse_args(argv)
     if args.scale:
         return scale(args)
+    if args.cascade:
+        return cascade_main(args)
     if args.quick:
         args.rows, args.reps, args.partitions = 200, 1, 4
 
@@ -146,9 +150,14 @@ def main(argv=None) -> int:
             results["tables"][name] = {"rows": len(docs), "distinct_prompts": distinct, "walls": walls,
                                        "daskllm_calls": calls,
                                        "identical": all(o == first for o in outputs.values())}
-    print(report(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    return emit(report(results), results, args.json)
+
+
+def emit(text: str, results: dict, json_path: str | None) -> int:
+    """Print the report; with ``--json``, write the raw results too."""
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
     return 0
 
 
@@ -218,6 +227,110 @@ def scale(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
+
+
+# --- cascades (issue 20 item 9) ----------------------------------------------------------------------
+
+CASCADE_PREDICATE = "{question}"
+CASCADE_ORACLE = "smollm2"
+CASCADE_SYSTEMS = {"oracle only": None, "cascade tiny -> smollm2": "tiny", "cascade smollm2 -> smollm2": "smollm2"}
+
+
+def cascade_table(rows: int):
+    """HotpotQA's comparison questions whose answer is yes or no (../shared/data), with the label."""
+    from daskllm.datasets import load_questions
+
+    qs = load_questions("hotpotqa")
+    qs = qs[qs["answer"].isin(["yes", "no"])].reset_index(drop=True)
+    qs = qs.head(rows)
+    return qs[["question"]].assign(label=(qs["answer"] == "yes").to_numpy())
+
+
+def clear_results() -> None:
+    """Empty this process's in-memory result cache (the client's, or a worker's)."""
+    from daskllm.worker.results import RESULTS
+
+    RESULTS.clear()
+
+
+def cascade_run(ddf, proxy: str | None, seed: int):
+    import daskllm
+
+    start = time.perf_counter()
+    with daskllm.usage() as usage:
+        if proxy is None:
+            kept = ddf.llm.filter(CASCADE_PREDICATE, model=CASCADE_ORACLE).compute()
+        else:
+            cascade = daskllm.Cascade(proxy=proxy, oracle=CASCADE_ORACLE, target_precision=0.9, seed=seed)
+            kept = ddf.llm.filter(CASCADE_PREDICATE, cascade=cascade).compute()
+    return time.perf_counter() - start, set(kept.index), usage.operators
+
+
+def cascade_main(args) -> int:
+    """Oracle-only ``filter(model="smollm2")`` against ``filter(cascade=Cascade(proxy, "smollm2",
+    target_precision=0.9))`` on the labelled yes/no questions: wall time, oracle calls, calls
+    saved, agreement with oracle-only, precision and recall against the labels. The result
+    store is off and the client's result cache cleared: every run computes its calls."""
+    import os
+
+    os.environ["DASK_DASKLLM__RESULT_STORE__ENABLED"] = "False"  # read by the worker processes too
+    import dask
+    import dask.dataframe as dd
+    from distributed import Client
+
+    import daskllm
+    from daskllm.worker import reset_prefix_caches
+
+    dask.config.set({"daskllm.result-store.enabled": False})
+    table = cascade_table(100 if args.quick else args.rows)  # --rows beyond 458: every labelled question
+    labels = set(table.index[table["label"]])
+    ddf = dd.from_pandas(table[["question"]], npartitions=args.partitions)
+    results = {"machine": machine_info(oracle=CASCADE_ORACLE, rows=len(table), partitions=args.partitions,
+                                       cluster="LocalLLMCluster(n_workers=2, threads_per_worker=4)"), "systems": {}}
+    with daskllm.LocalLLMCluster(models=["tiny", CASCADE_ORACLE], n_workers=2, threads_per_worker=4) as cluster, \
+            Client(cluster) as client:
+        for model in ("tiny", CASCADE_ORACLE):  # engines load and warm up outside the timings
+            for attempt in range(3):  # a worker's first transformers import can race its engine's load
+                try:
+                    ddf.head(8, npartitions=-1, compute=False).llm.filter(CASCADE_PREDICATE, model=model).compute()
+                    break
+                except ImportError as exc:
+                    log(f"warm-up {model}: {exc!r}, again")
+        baseline = None
+        for name, proxy in CASCADE_SYSTEMS.items():
+            clear_results()
+            client.run(clear_results)
+            client.run(reset_prefix_caches)
+            wall, kept, ops = cascade_run(ddf, proxy, seed=0)
+            baseline = kept if proxy is None else baseline
+            stats = ops.get("filter-cascade", {})
+            oracle_calls = stats.get("oracle_calls", ops.get("filter", {}).get("executed", 0))
+            agree = sum((i in kept) == (i in baseline) for i in table.index) / len(table)
+            tp = len(kept & labels)
+            results["systems"][name] = {
+                "wall_s": wall, "oracle_calls": oracle_calls, "oracle_calls_saved": stats.get("oracle_calls_saved", 0),
+                "proxy_rows": stats.get("proxy_rows", 0), "thresholds": (stats.get("low"), stats.get("high")),
+                "sample_precision": stats.get("sample_precision"), "agreement_with_oracle": agree,
+                "precision": tp / len(kept) if kept else float("nan"), "recall": tp / len(labels) if labels else float("nan")}
+            log(f"{name}: {wall:.1f} s, {oracle_calls} oracle calls, agreement {agree:.3f}")
+    return emit(cascade_report(results), results, args.json)
+
+
+def cascade_report(results) -> str:
+    m = results["machine"]
+    lines = [f"{m['rows']} labelled yes/no questions (HotpotQA comparison), {m['partitions']} partitions, "
+             f"oracle `{m['oracle']}`, target precision 0.9, sample 100, seed 0", "",
+             "| system | wall | oracle calls | calls saved | proxy rows | thresholds (low, high) | sample precision | "
+             "agreement with oracle only | precision vs labels | recall vs labels |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results["systems"].items():
+        low, high = r["thresholds"]
+        thresholds = "-" if low is None else f"{low:.3f}, {high:.3f}"
+        sample = "-" if r["sample_precision"] is None else f"{r['sample_precision']:.2f}"
+        lines.append(f"| {name} | {r['wall_s']:.1f} s | {r['oracle_calls']} | {r['oracle_calls_saved']} | "
+                     f"{r['proxy_rows']} | {thresholds} | {sample} | {r['agreement_with_oracle']:.3f} | "
+                     f"{r['precision']:.3f} | {r['recall']:.3f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

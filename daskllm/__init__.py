@@ -26,6 +26,7 @@ _LAZY = {
     "ItemError": "daskllm.streaming",
     "StreamJanitor": "daskllm.streaming",
     "Budget": "daskllm.budget",
+    "Cascade": "daskllm.dataframe.cascade",
     "CallError": "daskllm.worker.failures",
     "batch": "daskllm.api",
     "tokens": "daskllm.api",

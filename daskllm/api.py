@@ -100,13 +100,18 @@ def _prompt_inputs(op: str, p: Prompt, model: str) -> dict[str, Node]:
 def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, stop=(), seed: int | None = None, ignore_eos: bool = False,
              cache: bool | None = None, split=None, allowed_token_ids=(), on_error: str = "raise",
-             schema=None, choices=None, regex: str | None = None) -> Node:
+             schema=None, choices=None, regex: str | None = None, logprobs: int | None = None) -> Node:
     """An LLM call (or a batch of them). Its value is the generated text (a list for a batch).
 
     Constrained output (at most one): ``schema`` (a JSON schema dict or a pydantic model: the
     text is one JSON value that follows it), ``choices`` (a list of str: the text is one of
     them) or ``regex``. Decoding is masked to the grammar, so the text always parses unless
     ``max_tokens`` cuts it.
+
+    With ``logprobs=k`` (an int) its value is instead a record ``{"text": ..., "logprobs": [...],
+    "top_logprobs": [{token id: logprob}, ...]}``: each generated token's log-probability under
+    the distribution it was drawn from (after ``allowed_token_ids`` and any grammar: for a
+    yes/no answer, the probability among the allowed tokens), and the ``k`` likeliest tokens'.
 
     ``on_error``: what a call that cannot run (its prompt longer than the model holds, its text
     not valid Unicode, its input null) does: "raise" (default) raises a ``CallError`` naming
@@ -121,14 +126,16 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
     errors = _on_error(GENERATE.name, on_error)
     options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed,
                    ignore_eos=ignore_eos, cache=cache, split=split, allowed_token_ids=tuple(allowed_token_ids),
-                   on_error=on_error, schema=schema, choices=choices, regex=regex)
+                   on_error=on_error, schema=schema, choices=choices, regex=regex, logprobs=logprobs)
     lifted = _lift_prompt("generate", p, dict(model=model, **options))
     if lifted is not None:
         return lifted
     model = default_model(model)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               stop=stop, ignore_eos=ignore_eos, allowed_token_ids=tuple(allowed_token_ids),
-                              structured=structured_output(schema, choices, regex))
+                              structured=structured_output(schema, choices, regex), logprobs=logprobs)
+    if split is not None and logprobs is not None:
+        raise ValueError(f"generate({model!r}): logprobs is not supported with split (a stream's items are text)")
     if cache and not sampling.deterministic:
         raise ValueError(f"generate({model!r}): a sampled call without a seed is not deterministic and cannot be "
                          f"cached; pass seed= or cache=False")

@@ -3,13 +3,17 @@ render, distinct, call and lookup steps (see the package docstring)."""
 
 from __future__ import annotations
 
+import dask.dataframe as dd
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 from dask.dataframe.extensions import register_dataframe_accessor, register_series_accessor
 
 from daskllm import api
 from daskllm.budget import Budget
-from daskllm.dataframe.calls import summarize_chunk, summarize_parts
+from daskllm.dataframe import cascade as cascade_
+from daskllm.dataframe.calls import call, summarize_chunk, summarize_parts
+from daskllm.dataframe.cascade import Cascade
 from daskllm.dataframe.dedupe import plan
 from daskllm.dataframe.estimate import TableEstimate, estimate
 from daskllm.dataframe.joins import sim_join
@@ -43,10 +47,13 @@ class LLMAccessor:
         (``dedupe``: see :mod:`daskllm.dataframe.dedupe`)."""
         if on_error not in ("raise", "null"):
             raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
-        frame = self._ddf[list(slots)].assign(**{KEY: keys}) if slots else keys.to_frame()
-        own, shared = plan(frame, op, slots, dedupe)
+        own, shared = plan(self._inputs(keys, slots), op, slots, dedupe)
         meta = pd.DataFrame({"value": pd.Series([], dtype=object), "error": pd.Series([], dtype=STRING)})
         return keys.map_partitions(lookup, own, shared, op.name, on_error, meta=meta)
+
+    def _inputs(self, keys, slots: tuple):
+        """The rows' keys with the columns their prompts are filled from."""
+        return self._ddf[list(slots)].assign(**{KEY: keys}) if slots else keys.to_frame()
 
     def _with(self, results, out: str, on_error: str, dtype):
         value = results["value"]
@@ -106,17 +113,57 @@ class LLMAccessor:
         return self._with(self._results(keys, op, slots, on_error, dedupe), out, on_error, dtype)
 
     def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
-               budget: Budget | None = None, chat: bool | None = None, dedupe: str = "auto"):
+               budget: Budget | None = None, chat: bool | None = None, dedupe: str = "auto",
+               cascade: Cascade | None = None):
         """The rows the model judges true: its answer to ``predicate`` is constrained to yes/no.
-        With ``on_error="null"`` a row that cannot be judged is dropped."""
+        With ``on_error="null"`` a row that cannot be judged is dropped. With ``cascade`` (a
+        :class:`daskllm.Cascade`, instead of ``model``) a cheap proxy model answers the rows it is
+        sure of and an oracle model the rest."""
         slots = self._slots(predicate)
-        model = self._model(model)
-        yes_no(model)  # fail here if the model cannot say yes or no
-        op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
-                chat=self._chat(model, chat))
         keys = self._ddf.map_partitions(render, predicate, slots, meta=(KEY, STRING))
-        results = self._results(keys, op, slots, on_error, dedupe)
+        if cascade is not None:
+            if model is not None:
+                raise ValueError("filter: pass model= or cascade=, not both (the cascade names its models)")
+            results = self._cascade(keys, predicate, slots, cascade, on_error, budget, chat)
+        else:
+            model = self._model(model)
+            yes_no(model)  # fail here if the model cannot say yes or no
+            op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
+                    chat=self._chat(model, chat))
+            results = self._results(keys, op, slots, on_error, dedupe)
         return self._ddf[results["value"].fillna(False).astype(bool)]
+
+    def _cascade(self, keys, predicate: str, slots: tuple, cascade: Cascade, on_error: str, budget, chat):
+        """Per row: value and error of a cascaded filter (see daskllm/dataframe/cascade.py)."""
+        if not isinstance(cascade, Cascade):
+            raise TypeError(f"filter: cascade must be a daskllm.Cascade, got {type(cascade).__name__}")
+        if on_error not in ("raise", "null"):
+            raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
+        ops = {}
+        for role in ("proxy", "oracle"):
+            model = self._model(getattr(cascade, role))
+            # The proxy reports every allowed token's probability: P(yes) is the yes tokens' mass.
+            logprobs = len(yes_no(model)) if role == "proxy" else None
+            ops[role] = Op("filter", model, f"filter-{role}", predicate,
+                           SamplingParams(max_tokens=1, logprobs=logprobs), budget=budget, chat=self._chat(model, chat))
+        inputs = self._inputs(keys, slots)
+        # One-partition tables of results (the "global" dedupe plan), broadcast to the row partitions.
+        proxy = plan(inputs, ops["proxy"], slots, "global")[1]
+        if cascade.thresholds is not None:
+            sample = dd.from_pandas(cascade_.TABLE, npartitions=1)
+            learned = dd.from_pandas(cascade_.fixed(cascade), npartitions=1)
+        else:
+            candidates = inputs.map_partitions(cascade_.sample_candidates, cascade.seed, cascade.sample_size,
+                                               meta=inputs._meta.assign(**{cascade_.SAMPLE_HASH: np.uint64(0)}))
+            sampled = candidates.repartition(npartitions=1).map_partitions(cascade_.sample_of, cascade.sample_size,
+                                                                           meta=inputs._meta)
+            sample = sampled.map_partitions(call, ops["oracle"], slots, meta=cascade_.TABLE)
+            learned = sample.map_partitions(cascade_.learn, proxy, cascade, meta=cascade_.LEARNED)
+        unsure = keys.map_partitions(cascade_.uncertain, proxy, sample, learned, meta=(KEY, STRING))
+        oracle = plan(self._inputs(unsure, slots), ops["oracle"], slots, "global")[1]
+        learned = oracle.map_partitions(cascade_.settle, proxy, sample, learned, meta=cascade_.LEARNED)
+        meta = pd.DataFrame({"value": pd.Series([], dtype=object), "error": pd.Series([], dtype=STRING)})
+        return keys.map_partitions(cascade_.decide, proxy, sample, oracle, learned, on_error, meta=meta)
 
     def extract(self, template: str, fields: dict, *, model: str | None = None, max_tokens: int = 128,
                 on_error: str = "raise", budget: Budget | None = None, chat: bool | None = None):

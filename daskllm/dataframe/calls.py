@@ -98,7 +98,7 @@ def call_node(rows: pd.DataFrame, op: Op, slots: tuple):
     s = call_sampling(op)
     return api.generate(p, model=op.model, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                             seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos, allowed_token_ids=s.allowed_token_ids,
-                            **constraint_options(s.structured))
+                            **constraint_options(s.structured), logprobs=s.logprobs)
 
 
 def call_sampling(op: Op) -> SamplingParams:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -119,6 +120,8 @@ def parse(output, op: Op):
     if op.kind == "generate" and constraint is not None:
         return parse_constrained(output, constraint, op.sampling.max_tokens)
     if op.kind == "filter":
+        if isinstance(output, dict):  # asked with logprobs (a cascade's proxy): its P(yes)
+            return yes_probability(output, op.model)
         return output.strip().lower().startswith("y")
     if op.kind == "rate":
         return int(output.strip()[:1])
@@ -182,6 +185,13 @@ def as_struct(values: pd.Series, dtype: pd.ArrowDtype) -> pd.Series:
     astype from objects to a struct)."""
     return pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values.tolist(), type=dtype.pyarrow_dtype)),
                      index=values.index, name=values.name)
+
+
+def yes_probability(output: dict, model: str) -> float:
+    """P(yes) of a constrained one-token answer: the mass of the tokens that start "yes" among
+    the allowed ones (its record holds every allowed token's logprob)."""
+    yes = tokenizer_for(model).answer_starts("yes")
+    return min(1.0, sum(math.exp(lp) for t, lp in output["top_logprobs"][0].items() if t in yes))
 
 
 def extract_fields(text: str, fields: tuple) -> dict:

@@ -112,6 +112,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     # A grammar the output follows (decoding is masked to it); None = free text.
     structured: StructuredOutput | None = None
+    # Report each chosen token's log-probability under the distribution it was drawn from
+    # (after allowed_token_ids masking, temperature and top-p): a filter's confidence. None:
+    # off; 0: the chosen token's; k: also the k likeliest tokens' (as vLLM and OpenAI count).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -121,6 +125,8 @@ class SamplingParams:
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
             raise RequestError(f"allowed_token_ids must be token ids, got {self.allowed_token_ids!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise RequestError(f"logprobs must be None or a non-negative integer, got {self.logprobs!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0:
@@ -158,6 +164,10 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (stop string), "eos", "length"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # Per generated token, its log-probability and the k likeliest tokens' (token id -> logprob),
+    # when SamplingParams.logprobs asked for them.
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

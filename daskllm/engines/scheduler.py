@@ -38,6 +38,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain of the registered full blocks
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int | None = None  # prompt tokens the cache served at first admission
+    logprobs: list[float] | None = None  # per generated token, when params.logprobs
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_generated(self) -> int:

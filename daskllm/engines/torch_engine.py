@@ -39,7 +39,7 @@ from daskllm.engines.protocol import (
     check_params,
     encode_prompt,
 )
-from daskllm.engines.sampling import make_generator, sample
+from daskllm.engines.sampling import logprobs, make_generator, sample
 from daskllm.engines.scheduler import Scheduler, Sequence
 
 logger = logging.getLogger(__name__)
@@ -297,7 +297,12 @@ class TorchEngine(BatchingEngine):
                 continue
             try:
                 mask = None if seq.matcher is None else allowed(seq.matcher, logits.shape[-1])
-                self._append_token(seq, sample(logits[row], seq.params, seq.generator, mask))
+                token = sample(logits[row], seq.params, seq.generator, mask)
+                if seq.params.logprobs is not None:
+                    chosen, top = logprobs(logits[row], seq.params, token, mask)
+                    seq.logprobs = (seq.logprobs or []) + [chosen]
+                    seq.top_logprobs = (seq.top_logprobs or []) + [top]
+                self._append_token(seq, token)
             except Exception as exc:  # noqa: BLE001 - e.g. a user's on_text callback raised
                 self._fail(seq, exc)
             row += 1
@@ -327,7 +332,8 @@ class TorchEngine(BatchingEngine):
         if reason is not None:
             text = seq.text.text if seq.text is not None else self._decode_generated(seq.generated)
             self._complete(seq, Completion(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.generated,
-                                           text, reason, seq.num_cached or 0))
+                                           text, reason, seq.num_cached or 0, seq.logprobs,
+                                           seq.top_logprobs))
 
     def _complete(self, seq: Sequence, result) -> None:
         self._scheduler.finish(seq)

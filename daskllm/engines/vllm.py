@@ -83,6 +83,8 @@ def sampling_kwargs(params: SamplingParams) -> dict:
         kwargs["allowed_token_ids"] = list(params.allowed_token_ids)
     if params.structured is not None:
         kwargs["structured_outputs"] = structured_outputs_kwargs(params)
+    if params.logprobs is not None:
+        kwargs["logprobs"] = params.logprobs  # the engine runs logprobs_mode="processed_logprobs"
     return kwargs
 
 
@@ -94,6 +96,17 @@ def structured_outputs_kwargs(params: SamplingParams) -> dict:
     The engine runs them on vLLM's "guidance" backend: llguidance, as our torch engine does,
     so both read the same grammar."""
     return {STRUCTURED_FIELDS[params.structured.kind]: params.structured.value}
+
+
+def chosen_logprobs(out) -> tuple[list[float] | None, list[dict[int, float]] | None]:
+    """Per generated token of a vLLM ``CompletionOutput``: its log-probability, and the k
+    likeliest tokens' (None if not asked)."""
+    if out.logprobs is None:
+        return None, None
+    chosen = [float(step[token].logprob) for token, step in zip(out.token_ids, out.logprobs)]
+    # vLLM's per-step dict holds the k likeliest tokens and the chosen one.
+    top = [{t: float(lp.logprob) for t, lp in step.items()} for step in out.logprobs]
+    return chosen, top
 
 
 def finish_reason(reason: str | None, stop_reason: int | str | None) -> str:
@@ -226,6 +239,8 @@ class VLLMEngine(BatchingEngine):
             enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=self.max_model_len,
             seed=seed, enforce_eager=enforce_eager,
+            # Logprobs of the distribution after allowed_token_ids and penalties, as the torch engine reports.
+            logprobs_mode="processed_logprobs",
             load_format=load_format or ("dummy" if is_dummy(path) else "auto"),
             **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
             **({"max_num_batched_tokens": max(max_num_batched_tokens, self.block_size)}
@@ -401,7 +416,7 @@ class VLLMEngine(BatchingEngine):
         else:
             out = final.outputs[0]
             result = Completion(request_id, ids, list(out.token_ids), out.text,
-                                finish_reason(out.finish_reason, out.stop_reason), cached)
+                                finish_reason(out.finish_reason, out.stop_reason), cached, *chosen_logprobs(out))
         if future.set_running_or_notify_cancel():
             future.set_result(result)
 

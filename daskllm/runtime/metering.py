@@ -126,6 +126,9 @@ class Usage:
                 # Distinct inputs its nested calls took from the result store (they are not executed).
                 cached = sum(records[c].from_cache for c in record.children if c in records)
                 stats["from_cache"] += cached
+                # Operator-specific figures (a cascade's): counts add up, the rest (thresholds) is kept.
+                for k, v in record.extra.items():
+                    stats[k] = stats.get(k, 0) + v if isinstance(v, int) else v
                 stats["executed"] -= cached
         if blocks or tails:
             bs = config.get("engine.block-size")

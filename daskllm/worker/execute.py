@@ -23,7 +23,7 @@ from daskllm.annotations import DECODE_TASK, EMBED_TASK, PREFILL_TASK, RERANK_TA
 from distributed import secede
 from distributed.worker import thread_state
 
-from daskllm.engines import PrefillHandle, SamplingParams
+from daskllm.engines import Completion, PrefillHandle, SamplingParams
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
 from daskllm.prompts import check_text, encode_parts, render_value
 from daskllm.streaming.split import Splitter
@@ -131,7 +131,8 @@ def _store_when_done(store: ResultStore, key: str | None, future) -> None:
         if f.cancelled() or f.exception() is not None:
             return
         c = f.result()
-        _put(store, key, StoredCompletion(c.text, tuple(c.token_ids), c.finish_reason))
+        _put(store, key, StoredCompletion(c.text, tuple(c.token_ids), c.finish_reason, c.logprobs,
+                                          c.top_logprobs))
 
     future.add_done_callback(put)
 
@@ -174,10 +175,19 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Ori
             _store_when_done(store, keys[j], f)
     completions = raise_others(wait_requests(task_key, futures, return_exceptions=True) if todo else [])
     _record_decode(task_key, model, ok(completions), from_cache=len(runnable) - len(todo))
-    texts = [s.text if s is not None else None for s in stored]
+    values = [value(s, sampling) if s is not None else None for s in stored]
     for j, c in zip(todo, completions):
-        texts[j] = c if failed(c) else c.text
-    return origins.settle(merge(prompts, texts))
+        values[j] = c if failed(c) else value(c, sampling)
+    return origins.settle(merge(prompts, values))
+
+
+def value(completion: Completion | StoredCompletion, sampling: SamplingParams):
+    """A call's value: its text, or with ``sampling.logprobs`` a small record of the text and
+    each generated token's log-probability."""
+    if sampling.logprobs is not None:
+        return {"text": completion.text, "logprobs": list(completion.logprobs or ()),
+                "top_logprobs": [dict(top) for top in completion.top_logprobs or ()]}
+    return completion.text
 
 
 def run_decode_split(task_key: str, model: str, sampling: SamplingParams, split: Splitter, channels: list, items: list,

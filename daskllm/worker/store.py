@@ -59,6 +59,9 @@ class StoredCompletion:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
+    # Per token, when the sampling params asked for them: its logprob, the likeliest tokens'.
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 def default_path() -> pathlib.Path:

@@ -47,6 +47,7 @@ class TaskUsage:
     executed: int = 0
     failed: int = 0
     started: float | None = None
+    extra: dict = field(default_factory=dict)  # an operator's own figures (a cascade's rows per model)
 
     @property
     def computed_tokens(self) -> int:
