@@ -81,7 +81,6 @@ class ResultStore:
         self.size_limit = int(size_limit)
         self._cache = diskcache.Cache(str(self.path), size_limit=self.size_limit)
         self._digests: dict[tuple, str] = {}
-        self._numerics: dict[str, tuple[str, ...]] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str):
@@ -127,16 +126,14 @@ class ResultStore:
         device). A torch fp32 CPU worker and a vLLM bf16 GPU worker sharing one store path
         never answer for each other. The numerics are remembered per model for :func:`is_stored`."""
         digest, kind = self.model_identity(engine.path), numerics(engine)
-        with self._lock:
-            known = self._numerics.get(digest)
-        if known is None or kind not in known:
+        # Read from the store each time, not from memory: after a clear() (``daskllm cache clear``
+        # while workers run) the record must be written again, or is_stored never finds results.
+        if kind not in self._cache.get((_NUMERICS, digest), ()):
             with self._cache.transact():
                 seen = tuple(self._cache.get((_NUMERICS, digest), ()))
                 if kind not in seen:
                     seen = (*seen, kind)
                     self._cache.set((_NUMERICS, digest), seen)
-            with self._lock:
-                self._numerics[digest] = seen
         return f"{digest}|{kind}"
 
     def identities(self, model_dir: str | os.PathLike) -> list[str]:
