@@ -28,6 +28,7 @@ from daskllm.dataframe.accessor import LLMAccessor, LLMSeriesAccessor
 from daskllm.dataframe.estimate import OperatorEstimate, TableEstimate, calibrate, estimate
 from daskllm.dataframe.progress import progress
 from daskllm.dataframe.ops import BudgetExceeded, Op, RowError
+from daskllm.dataframe.schema import arrow_types
 
 __all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "LLMSeriesAccessor", "Op", "OperatorEstimate", "RowError",
-           "TableEstimate", "calibrate", "estimate", "progress"]
+           "TableEstimate", "arrow_types", "calibrate", "estimate", "progress"]

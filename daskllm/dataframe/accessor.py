@@ -16,9 +16,11 @@ from daskllm.dataframe.calls import call, summarize_chunk, summarize_parts
 from daskllm.dataframe.cascade import Cascade
 from daskllm.dataframe.dedupe import plan
 from daskllm.dataframe.estimate import TableEstimate, estimate
+from daskllm.dataframe import schema as types
+from daskllm.dataframe.cells import check_nulls
 from daskllm.dataframe.joins import sim_join
-from daskllm.dataframe.ops import CASTS, DTYPES, KEY, STRING, Op, as_struct, fields_schema, schema_dtype, yes_no
-from daskllm.dataframe.rows import lookup, pair_keys, render
+from daskllm.dataframe.ops import CASTS, KEY, STRING, Op, as_struct, fields_schema, schema_dtype, yes_no
+from daskllm.dataframe.rows import RENDERED, lookup, pair_keys, render, render_column
 from daskllm.engines import SamplingParams, StructuredOutput
 from daskllm.prompts import Slot, parse_template, tokenizer_for
 from daskllm.retrieval import ShardedIndex
@@ -42,20 +44,26 @@ class LLMAccessor:
             raise KeyError(f"template fields {missing} are not columns; columns are {list(self._ddf.columns)}")
         return slots
 
-    def _results(self, keys, op: Op, slots: tuple, on_error: str, dedupe: str = "auto"):
-        """Per row (aligned with ``keys``): value and error, each distinct input computed once
-        (``dedupe``: see :mod:`daskllm.dataframe.dedupe`)."""
+    def _render(self, template: str, slots: tuple, nulls: str):
+        """Each row's prompt (its dedupe key), or why it has none (cells: the null and type rules)."""
+        return self._ddf.map_partitions(render, template, slots, check_nulls(nulls), meta=RENDERED)
+
+    def _results(self, rendered, op: Op, slots: tuple, on_error: str, dtype=None, dedupe: str = "auto"):
+        """Per row (aligned with ``rendered``, the rows' keys): value (of ``dtype``, else objects)
+        and error, each distinct input computed once (``dedupe``: see :mod:`daskllm.dataframe.dedupe`)."""
         if on_error not in ("raise", "null"):
             raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
-        own, shared = plan(self._inputs(keys, slots), op, slots, dedupe)
-        meta = pd.DataFrame({"value": pd.Series([], dtype=object), "error": pd.Series([], dtype=STRING)})
-        return keys.map_partitions(lookup, own, shared, op.name, on_error, meta=meta)
+        own, shared = plan(self._inputs(rendered[KEY], slots), op, slots, dedupe)
+        meta = pd.DataFrame({"value": types.empty(object if dtype is None else dtype),
+                             "error": types.empty(types.ERROR)})
+        return rendered.map_partitions(lookup, own, shared, op.name, on_error, dtype, meta=meta)
 
     def _inputs(self, keys, slots: tuple):
         """The rows' keys with the columns their prompts are filled from."""
         return self._ddf[list(slots)].assign(**{KEY: keys}) if slots else keys.to_frame()
 
-    def _with(self, results, out: str, on_error: str, dtype):
+    def _with(self, results, out: str, on_error: str, dtype=None):
+        """``out`` (and ``<out>_error``) assigned; ``dtype`` converts a value column of objects."""
         value = results["value"]
         if isinstance(dtype, pd.ArrowDtype) and pa.types.is_struct(dtype.pyarrow_dtype):
             value = value.map_partitions(as_struct, dtype, meta=pd.Series([], dtype=dtype, name="value"))
@@ -90,7 +98,7 @@ class LLMAccessor:
     def map(self, template: str, *, model: str | None = None, max_tokens: int = 64, out: str = "llm_output",
             on_error: str = "raise", budget: Budget | None = None, temperature: float = 0.0,
             seed: int | None = None, stop=(), ignore_eos: bool = False, chat: bool | None = None,
-            schema=None, choices=None, dedupe: str = "auto"):
+            schema=None, choices=None, dedupe: str = "auto", nulls: str = "skip"):
         """A new text column ``out``: the model's answer to ``template`` filled from each row.
         ``dedupe``: which task calls each distinct prompt (:mod:`daskllm.dataframe.dedupe`).
 
@@ -104,23 +112,22 @@ class LLMAccessor:
         op = Op("generate", model, "map", template,
                 self._sampling(max_tokens, temperature, seed, stop, ignore_eos, structured),
                 budget=budget, chat=self._chat(model, chat))
-        keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
-        dtype = STRING
-        if schema is not None:
-            dtype = schema_dtype(structured.value)
-        elif choices is not None:
-            dtype = pd.CategoricalDtype(structured.value)
-        return self._with(self._results(keys, op, slots, on_error, dedupe), out, on_error, dtype)
+        rendered = self._render(template, slots, nulls)  # a null field: a null result (nulls="skip") or a row error
+        if schema is None and choices is None:
+            return self._with(self._results(rendered, op, slots, on_error, types.TEXT, dedupe), out, on_error)
+        dtype = schema_dtype(structured.value) if schema is not None else pd.CategoricalDtype(structured.value)
+        return self._with(self._results(rendered, op, slots, on_error, dedupe=dedupe), out, on_error, dtype)
 
     def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
                budget: Budget | None = None, chat: bool | None = None, dedupe: str = "auto",
-               cascade: Cascade | None = None):
+               cascade: Cascade | None = None, nulls: str = "skip"):
         """The rows the model judges true: its answer to ``predicate`` is constrained to yes/no.
         With ``on_error="null"`` a row that cannot be judged is dropped. With ``cascade`` (a
         :class:`daskllm.Cascade`, instead of ``model``) a cheap proxy model answers the rows it is
         sure of and an oracle model the rest."""
         slots = self._slots(predicate)
-        keys = self._ddf.map_partitions(render, predicate, slots, meta=(KEY, STRING))
+        rendered = self._render(predicate, slots, nulls)  # a row with a null field is dropped (or an error)
+        keys = rendered[KEY]
         if cascade is not None:
             if model is not None:
                 raise ValueError("filter: pass model= or cascade=, not both (the cascade names its models)")
@@ -130,7 +137,7 @@ class LLMAccessor:
             yes_no(model)  # fail here if the model cannot say yes or no
             op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
                     chat=self._chat(model, chat))
-            results = self._results(keys, op, slots, on_error, dedupe)
+            results = self._results(rendered, op, slots, on_error, types.FIELDS["bool"], dedupe)
         return self._ddf[results["value"].fillna(False).astype(bool)]
 
     def _cascade(self, keys, predicate: str, slots: tuple, cascade: Cascade, on_error: str, budget, chat):
@@ -166,7 +173,8 @@ class LLMAccessor:
         return keys.map_partitions(cascade_.decide, proxy, sample, oracle, learned, on_error, meta=meta)
 
     def extract(self, template: str, fields: dict, *, model: str | None = None, max_tokens: int = 128,
-                on_error: str = "raise", budget: Budget | None = None, chat: bool | None = None):
+                on_error: str = "raise", budget: Budget | None = None, chat: bool | None = None,
+                nulls: str = "skip"):
         """Structured output: one column per field (``{"name": str, "year": int}``), parsed from a
         JSON object the model writes under a grammar (the fields' JSON schema), so it always
         parses; an answer cut by ``max_tokens`` is a row error."""
@@ -181,78 +189,84 @@ class LLMAccessor:
         structured = StructuredOutput.json_schema(fields_schema(spec))
         op = Op("extract", model, "extract", template, SamplingParams(max_tokens=max_tokens, structured=structured),
                 fields=spec, budget=budget, chat=self._chat(model, chat))
-        keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
-        results = self._results(keys, op, slots, on_error)
+        results = self._results(self._render(template, slots, nulls), op, slots, on_error)
         columns = {}
         for name, kind in spec:
             columns[name] = results["value"].map(lambda v, n=name: None if v is None else v[n],
-                                                 meta=(name, object)).astype(DTYPES[kind])
+                                                 meta=(name, object)).astype(types.FIELDS[kind])
         if on_error == "null":
             columns["extract_error"] = results["error"]
         return self._ddf.assign(**columns)
 
-    def embed(self, column: str, *, model: str | None = None, out: str | None = None):
-        """A column of embedding vectors (numpy arrays) of a text column."""
+    def embed(self, column: str, *, model: str | None = None, out: str | None = None, on_error: str = "raise",
+              nulls: str = "skip"):
+        """A column of embedding vectors (fixed-size lists of float32) of a column's text."""
         self._column(column)
         op = Op("embed", self._model(model, "embed"), "embed")
-        keys = self._ddf[column].astype(STRING).rename(KEY)
-        return self._with(self._results(keys, op, (), "raise"), out or f"{column}_embedding", "raise", None)
+        rendered = self._ddf.map_partitions(render_column, column, check_nulls(nulls), meta=RENDERED)
+        results = self._results(rendered, op, (), on_error, types.embedding(types.embedding_dim(op.model)))
+        return self._with(results, out or f"{column}_embedding", on_error)
 
-    def search(self, index, column: str, *, k: int = 5, out: str | None = None):
-        """A column of the ``k`` nearest documents (dicts of id, score, text) for each row's text."""
+    def search(self, index, column: str, *, k: int = 5, out: str | None = None, on_error: str = "raise",
+               nulls: str = "skip"):
+        """A column of the ``k`` nearest documents (structs of id, score, text) for each row's text."""
         if not isinstance(index, ShardedIndex):
             raise TypeError(f"search: index must be a ShardedIndex, got {type(index).__name__}")
         self._column(column)
         op = Op("search", index.embedder, "search", index=index.detached(), k=k)
-        keys = self._ddf[column].astype(STRING).rename(KEY)
-        return self._with(self._results(keys, op, (), "raise"), out or f"{column}_hits", "raise", None)
+        rendered = self._ddf.map_partitions(render_column, column, check_nulls(nulls), meta=RENDERED)
+        return self._with(self._results(rendered, op, (), on_error, types.HITS), out or f"{column}_hits", on_error)
 
     def rerank(self, query_column: str, docs_column: str, *, k: int | None = None, model: str | None = None,
-               out: str | None = None):
+               out: str | None = None, on_error: str = "raise", nulls: str = "skip"):
         """A column of each row's documents (a list of str) reordered by relevance to its query,
         the ``k`` best first."""
         self._column(query_column)
         self._column(docs_column)
         op = Op("rerank", self._model(model, "rerank"), "rerank", k=k)
-        keys = self._ddf[[query_column, docs_column]].map_partitions(pair_keys, meta=(KEY, STRING))
-        return self._with(self._results(keys, op, (), "raise"), out or f"{docs_column}_reranked", "raise", None)
+        rendered = self._ddf[[query_column, docs_column]].map_partitions(pair_keys, check_nulls(nulls), meta=RENDERED)
+        results = self._results(rendered, op, (), on_error, types.DOCUMENTS)
+        return self._with(results, out or f"{docs_column}_reranked", on_error)
 
     def sim_join(self, other, left_on: str, right_on: str, *, k: int = 1, model: str | None = None,
-                 suffixes: tuple[str, str] = ("", "_right")):
+                 suffixes: tuple[str, str] = ("", "_right"), nulls: str = "skip"):
         """Each row of this table joined to the ``k`` rows of ``other`` whose ``right_on`` text is
         most similar to its ``left_on`` text (cosine of embeddings), with a ``similarity`` column.
-        ``other`` is embedded once and broadcast to this table's partitions."""
+        ``other`` is embedded once and broadcast to this table's partitions. A null text matches
+        nothing, as a null join key does (``nulls="error"``: a row error instead)."""
         self._column(left_on)
         other.llm._column(right_on)
-        left = self.embed(left_on, model=model, out="_daskllm_left_vec")
-        right = other.llm.embed(right_on, model=model, out="_daskllm_right_vec").repartition(npartitions=1)
+        left = self.embed(left_on, model=model, out="_daskllm_left_vec", nulls=nulls)
+        right = other.llm.embed(right_on, model=model, out="_daskllm_right_vec", nulls=nulls).repartition(npartitions=1)
         meta = sim_join(left._meta, right._meta, k, suffixes)
         return left.map_partitions(sim_join, right, k, suffixes, meta=meta)
 
     def topk(self, criterion: str, k: int, *, model: str | None = None, out: str = "rating",
-             budget: Budget | None = None, chat: bool | None = None):
+             budget: Budget | None = None, chat: bool | None = None, nulls: str = "skip"):
         """The ``k`` rows that best meet ``criterion`` (a template with ``{column}`` fields): the
         model rates each row 0-9 (one token, constrained to digits), then Dask's tree reduction
-        ``nlargest`` keeps the best, ties in table order."""
+        ``nlargest`` keeps the best, ties in table order. A row with a null field is not rated
+        and never among them."""
         slots = self._slots(criterion)
         model = self._model(model)
         op = Op("rate", model, "topk", criterion, SamplingParams(max_tokens=1), budget=budget,
                 chat=self._chat(model, chat))
-        keys = self._ddf.map_partitions(render, criterion, slots, meta=(KEY, STRING))
-        rated = self._with(self._results(keys, op, slots, "raise"), out, "raise", "int64")
-        return rated.nlargest(k, out)
+        results = self._results(self._render(criterion, slots, nulls), op, slots, "raise", types.RATING)
+        return self._with(results, out, "raise").dropna(subset=[out]).nlargest(k, out)
 
     def agg(self, template: str, *, model: str | None = None, max_tokens: int = 64, split_every: int = 8,
-            instruction: str = "Summarize the following in a few sentences:\n", chat: bool | None = None):
+            instruction: str = "Summarize the following in a few sentences:\n", chat: bool | None = None,
+            nulls: str = "skip"):
         """One text summarizing the whole table, map-reduce style (Dask's tree reduction): each
         partition's rows (``template`` filled per row) are summarized, then groups of
-        ``split_every`` summaries, until one is left. Returns a lazy dask scalar."""
+        ``split_every`` summaries, until one is left. Returns a lazy dask scalar. Rows with a
+        null field are left out (``nulls="error"``: a ``RowError`` naming the first)."""
         slots = self._slots(template)
         model = self._model(model)
         options = dict(model=model, sampling=SamplingParams(max_tokens=max_tokens), instruction=instruction,
                        chat=self._chat(model, chat))
-        keys = self._ddf.map_partitions(render, template, slots, meta=(KEY, STRING))
-        return keys.reduction(summarize_chunk, aggregate=summarize_parts, combine=summarize_parts,
+        rendered = self._render(template, slots, nulls)
+        return rendered.reduction(summarize_chunk, aggregate=summarize_parts, combine=summarize_parts,
                               split_every=split_every, meta=(None, object), chunk_kwargs=options,
                               aggregate_kwargs=options, combine_kwargs=options)
 

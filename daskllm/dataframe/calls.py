@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 import uuid
 from dataclasses import asdict
@@ -15,10 +16,12 @@ from distributed.worker import thread_state
 from daskllm import api
 from daskllm.api import batch
 from daskllm.budget import Budget
+from daskllm.dataframe.cells import ROW_ERROR, cells, render_cell
 from daskllm.dataframe.ops import (
     KEY,
     STRING,
     Op,
+    RowError,
     constraint_options,
     costs,
     digits,
@@ -40,6 +43,8 @@ def call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
         return empty
     distinct = distinct.sort_values(KEY)  # shared prefixes next to each other
     keys = distinct[KEY].tolist()
+    if in_worker():  # costs() loads a tokenizer: transformers' lazy imports race with the engines' loading
+        host().wait_loaded()
     cost = costs(distinct, op)
     errors: dict[int, str] = {i: c for i, c in enumerate(cost) if isinstance(c, str)}
     if op.budget is not None:
@@ -54,16 +59,22 @@ def call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
             outputs, plan = compute_nested(node)
             outputs = outputs if node.batched else [outputs]  # a template without fields: one prompt
             children, requested = plan_keys(plan), plan.report.get("requested", {})
+        except ValueError:  # a CallError: an input failed; each runs alone, for its own outcome
+            outputs = [None] * len(todo)
         except Exception as exc:  # noqa: BLE001 - every row of this batch gets the reason
             outputs = None
             for i in todo:
                 errors[i] = f"{type(exc).__name__}: {exc}"
         if outputs is not None:
             for i, out in zip(todo, outputs):
+                # One bad input never fails the rest of its batch: each is run by itself.
+                out, error = (out, None) if out is not None else alone(distinct.iloc[[i]], op, slots)
                 try:
-                    values[i] = parse(out, op)
+                    values[i] = parse(out, op) if error is None else None
                 except ValueError as exc:
-                    errors[i] = str(exc)
+                    error = str(exc)
+                if error is not None:
+                    errors[i] = error
     record(op.name, distinct=len(keys), executed=len(todo), failed=len(errors), children=children,
             requested=requested, started=started)
     return pd.DataFrame({KEY: pd.Series(keys, dtype=STRING), "value": pd.Series(values, dtype=object),
@@ -81,6 +92,16 @@ def reserve(budget: Budget, needs: dict[int, int]) -> dict[int, str]:
 
 
 
+def alone(row: pd.DataFrame, op: Op, slots: tuple) -> tuple:
+    """``(output, None)`` or ``(None, why)``: one input's call, run by itself."""
+    node = call_node(row, op, slots)
+    try:
+        output, _ = compute_nested(node)
+    except ValueError as exc:  # a CallError: "<builder> item <i>: why"; the row is named by lookup
+        return None, re.sub(r"^\w+( item \d+)?: ", "", str(exc))
+    return (output[0] if node.batched else output), None
+
+
 def call_node(rows: pd.DataFrame, op: Op, slots: tuple):
     """The daskllm call for these rows: one batched node (a builder call) per operator."""
     if op.kind == "embed":
@@ -91,7 +112,8 @@ def call_node(rows: pd.DataFrame, op: Op, slots: tuple):
         pairs = [json.loads(k) for k in rows[KEY]]
         return api.rerank(batch([q for q, _ in pairs]), batch([d for _, d in pairs]), k=op.k, model=op.model)
     template = full_template(op)
-    values = {s: batch(rows[s].tolist()) for s in slots}
+    # The slots' text as the row's key has it (cells.render_cell), not the values' str().
+    values = {s: batch([render_cell(v) for v in cells(rows[s])]) for s in slots}
     if not slots:
         values = {}
     p = api.chat([{"role": "user", "content": template}], **values) if op.chat else api.prompt(template, **values)
@@ -154,8 +176,11 @@ def summarize(texts: list[str], model: str, sampling: SamplingParams, instructio
     return summary
 
 
-def summarize_chunk(keys: pd.Series, model, sampling, instruction, chat) -> str:
-    return summarize([k for k in keys if isinstance(k, str)], model, sampling, instruction, chat)
+def summarize_chunk(rows: pd.DataFrame, model, sampling, instruction, chat) -> str:
+    for index, error in zip(rows.index, rows[ROW_ERROR]):
+        if isinstance(error, str):
+            raise RowError(f"agg: row {index!r}: {error}")
+    return summarize([k for k in rows[KEY] if isinstance(k, str)], model, sampling, instruction, chat)
 
 
 def summarize_parts(parts, model, sampling, instruction, chat) -> str:

@@ -7,6 +7,7 @@ import pandas as pd
 
 def sim_join(left: pd.DataFrame, right: pd.DataFrame, k: int, suffixes) -> pd.DataFrame:
     lvec, rvec = "_daskllm_left_vec", "_daskllm_right_vec"
+    left, right = left[left[lvec].notna()], right[right[rvec].notna()]  # a null text matches nothing
     lcols = [c for c in left.columns if c != lvec]
     rcols = [c for c in right.columns if c != rvec]
     names = {c: c + suffixes[1] if c in lcols else c for c in rcols}

@@ -15,7 +15,8 @@ import pyarrow as pa
 from daskllm.budget import Budget
 from daskllm.engines import SamplingParams, StructuredOutput
 from daskllm.models import resolve
-from daskllm.prompts import Text, parse_template, render_value, tokenizer_for
+from daskllm.dataframe.cells import render_cell
+from daskllm.prompts import Text, parse_template, tokenizer_for
 
 STRING = pd.ArrowDtype(pa.string())
 KEY = "_daskllm_key"
@@ -63,7 +64,7 @@ def prompt_ids(distinct: pd.DataFrame, op: Op) -> list[list[int]]:
     segments = parse_template(full_template(op))
     out = []
     for row in distinct.to_dict("records"):
-        text = "".join(seg.text if isinstance(seg, Text) else render_value(row[seg.name]) for seg in segments)
+        text = "".join(seg.text if isinstance(seg, Text) else render_cell(row[seg.name]) for seg in segments)
         if op.chat:
             text = tok.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                      add_generation_prompt=True)
