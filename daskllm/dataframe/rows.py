@@ -70,11 +70,13 @@ def rendered(keys: list, errors: list, index: pd.Index) -> pd.DataFrame:
                          ROW_ERROR: pd.Series(errors, index=index, dtype=STRING)})
 
 
-def lookup(rows: pd.DataFrame, own: pd.DataFrame | None, shared: pd.DataFrame | None, op_name: str,
+def lookup(rows: pd.DataFrame | pd.Series, own: pd.DataFrame | None, shared: pd.DataFrame | None, op_name: str,
            on_error: str, dtype=None) -> pd.DataFrame:
     """Each row's value (of ``dtype``, else objects) and error: from its own partition's results,
     else from the table of results that several partitions share (see ``dedupe``); a row
     without a key has its render error."""
+    if isinstance(rows, pd.Series):  # keys alone (the cascade's lookups): no row has a render error
+        rows = rendered(rows.tolist(), [None] * len(rows), rows.index)
     keys = rows[KEY]
     if len(keys):
         record(op_name, rows=len(keys))
