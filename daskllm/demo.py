@@ -19,7 +19,6 @@ The dashboard (with its LLM page) is up while it runs.
 from __future__ import annotations
 
 import io
-import re
 import time
 
 import dask.dataframe as dd

@@ -229,4 +229,3 @@ _JSON = json.JSONDecoder()
 CASTS = {"str": str, "int": int, "float": float, "bool": bool}
 JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
 ARROW_TYPES = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}
-DTYPES = {"str": STRING, "int": "Int64", "float": "Float64", "bool": "boolean"}
