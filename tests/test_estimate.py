@@ -111,14 +111,23 @@ def test_after_calibration_the_preview_has_a_time(client):
 # --- progress ------------------------------------------------------------------------------------
 
 
-def test_the_progress_bar_reaches_every_partition_and_counts_rows_and_calls(client):
+def test_the_progress_bar_counts_calls_to_the_previews_total_and_rows(client):
     out = io.StringIO()
     job = table(QUESTIONS * 4, 3).llm.map(TEMPLATE, max_tokens=4, out="a")
     done = daskllm.dataframe.progress(job, file=out, interval=0.1)
     assert len(done.compute()) == 16
     final = re.split(r"[\r\n]", out.getvalue().strip())[-1]  # the bar as it was left
-    assert "3/3" in final and "100%" in final
+    assert "4/4" in final and "100%" in final  # calls: the 4 distinct prompts the preview expects
     assert "rows=16" in final and "calls=4" in final
+
+
+def test_a_chained_jobs_bar_ends_at_its_real_count_not_the_previews_bound(client):
+    out = io.StringIO()
+    job = table(QUESTIONS * 4, 3).llm.map(TEMPLATE, max_tokens=4, out="a").llm.filter("Is {a} short?")
+    daskllm.dataframe.progress(job, file=out, interval=0.1)
+    final = re.split(r"[\r\n]", out.getvalue().strip())[-1]
+    calls = int(re.search(r"calls=(\d+)", final).group(1))
+    assert calls > 4 and f"{calls}/{calls}" in final and "100%" in final  # the filter's calls, not rows
 
 
 def test_the_progress_bar_closes_and_raises_when_the_job_fails(client):
