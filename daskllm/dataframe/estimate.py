@@ -33,7 +33,7 @@ from daskllm.dataframe.ops import KEY, Op, prompt_ids
 from daskllm.runtime.view import current_client, take_view
 from daskllm.worker.costs import calibrate as calibrate_worker
 from daskllm.worker.costs import measured
-from daskllm.worker.store import is_stored, open_store
+from daskllm.worker.store import are_stored
 
 LLM_KINDS = ("generate", "filter", "extract", "rate")
 EXACT_PARTITIONS = 16  # up to this many partitions every prompt is rendered; more are sampled
@@ -223,8 +223,7 @@ def counted(op: Op, distinct: pd.DataFrame, rows: int, total: int, method: str) 
     share = total / len(distinct) if len(distinct) else 0.0
     ids = prompt_ids(distinct, op)
     sampling = call_sampling(op)
-    store = open_store()
-    stored = [store is not None and is_stored(op.model, i, sampling, store) for i in ids]
+    stored = are_stored(op.model, ids, sampling)
     todo = [len(i) for i, s in zip(ids, stored) if not s]
     hits = round(share * sum(stored))
     calls = total - hits

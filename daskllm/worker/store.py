@@ -202,8 +202,16 @@ def is_stored(model: str, prompt_ids: Sequence[int], sampling: SamplingParams,
               store: ResultStore | None = None) -> bool:
     """Whether a generation's result is in the store (of this machine's configured path),
     without loading it: for cost previews. False when the store is off."""
+    return are_stored(model, [prompt_ids], sampling, store)[0]
+
+
+def are_stored(model: str, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+               store: ResultStore | None = None) -> list[bool]:
+    """:func:`is_stored` for many prompts: the model's identities are looked up once, not per prompt."""
     store = store if store is not None else open_store()
     if store is None:
-        return False
-    keys = [decode_key(identity, prompt_ids, sampling) for identity in store.identities(resolve(model))]
-    return any(key is not None and store.contains(key) for key in keys)
+        return [False] * len(prompts)
+    identities = store.identities(resolve(model))
+    return [any(key is not None and store.contains(key)
+                for key in (decode_key(identity, ids, sampling) for identity in identities))
+            for ids in prompts]
