@@ -10,6 +10,7 @@ import uuid
 from dataclasses import asdict
 
 import pandas as pd
+from dask.local import get_sync
 from distributed import get_worker, worker_client
 from distributed.worker import thread_state
 
@@ -31,12 +32,18 @@ from daskllm.dataframe.ops import (
     yes_no,
 )
 from daskllm.engines import SamplingParams
-from daskllm.runtime import collection, submit
+from daskllm.models import model_name
+from daskllm.ops import engine_of
+from daskllm.plan.context import LOCAL
+from daskllm.runtime import submit
+from daskllm.runtime.view import take_view
+from daskllm.worker.execute import in_place
 from daskllm.worker.host import host, in_worker
 from daskllm.worker.usage import DATAFRAME, USAGE_TOPIC, TaskUsage
 
-def call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
-    """Run ``op`` on a partition of distinct inputs: one batched daskllm call, from this task."""
+def call(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> pd.DataFrame:
+    """Run ``op`` on a partition of distinct inputs: one batched daskllm call, from this task
+    (``here``: on this worker's engines where it holds them, :func:`compute_nested`)."""
     empty = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
                           "error": pd.Series([], dtype=STRING)})
     if distinct.empty:
@@ -56,7 +63,7 @@ def call(distinct: pd.DataFrame, op: Op, slots: tuple) -> pd.DataFrame:
     if todo:
         node = call_node(distinct.iloc[todo], op, slots)
         try:
-            outputs, plan = compute_nested(node)
+            outputs, plan = compute_nested(node, here)
             outputs = outputs if node.batched else [outputs]  # a template without fields: one prompt
             children, requested = plan_keys(plan), plan.report.get("requested", {})
         except ValueError:  # a CallError: an input failed; each runs alone, for its own outcome
@@ -130,16 +137,61 @@ def call_sampling(op: Op) -> SamplingParams:
 
 
 
-def compute_nested(node):
-    """Compute a daskllm node from inside a task: planned here, placed by the scheduler plugin."""
-    if not in_worker():
-        return collection.compute(node)[0], submit.plan([node])
-    with worker_client(separate_thread=True) as client:
-        submission = submit.plan_and_submit([node], client)
-        future = submission.futures[0]
-        # If this partition's task is cancelled (the job was), so is the LLM work it started.
-        with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, [future])):
-            return future.result(), submission.lowered
+# What a task can compute in its own thread: no index shard, stream or other task's value to wait for.
+HERE_OPS = frozenset({"const", "gather", "generate", "prefill", "embed", "rerank"})
+
+
+def compute_nested(node, here: bool = True):
+    """Compute a daskllm node from inside a task: ``(value, plan)``.
+
+    ``here``: where this worker serves every engine the node needs, its plan runs in this
+    task's thread against them: the partition is already a shard Dask placed, so there is
+    nothing to place, ship or schedule again, and the engine batches the partition's calls
+    with those of the partitions beside it. Otherwise (or without ``here``: fewer partitions
+    than engines, which splitting spreads) the plan is submitted, placed by the scheduler
+    plugin. Either way the same tasks run: the same tokens and usage records."""
+    if in_worker() and not (here and served_here(node)):
+        with worker_client(separate_thread=True) as client:
+            submission = submit.plan_and_submit([node], client)
+            future = submission.futures[0]
+            # If this partition's task is cancelled (the job was), so is the LLM work it started.
+            with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, [future])):
+                return future.result(), submission.lowered
+    options = submit.current_options()
+    # No stage split: shards would run one after another in this thread; the engine batches the whole call.
+    options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p != "stage"))
+    lowered = submit.plan([node], options, LOCAL)
+    with in_place():
+        return get_sync(lowered.graph, lowered.outputs[node.key]), lowered
+
+
+def served_here(node) -> bool:
+    """Whether this worker can compute ``node`` in a task's thread: only ops of
+    :data:`HERE_OPS`, each engine resident here."""
+    plugin = host()
+    plugin.wait_loaded()
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.key in seen:
+            continue
+        seen.add(n.key)
+        if n.op not in HERE_OPS:
+            return False
+        if (engine := engine_of(n)) is not None:
+            held = plugin.engines.get(engine[0], {})
+            if engine[1] not in held and model_name(engine[1]) not in held:
+                return False
+        todo.extend(n.inputs.values())
+    return True
+
+
+def spread(npartitions: int, op: Op) -> bool:
+    """Whether a table of ``npartitions`` partitions has its calls split across engines: fewer
+    partitions than workers holding the model (else each partition calls its own worker's
+    engines, :func:`compute_nested`), or a search (its index shards live on their workers)."""
+    kind = {"embed": "embed", "rerank": "rerank", "search": None}.get(op.kind, "llm")
+    return kind is None or npartitions < take_view().holding(op.model, kind)
 
 
 def plan_keys(plan) -> list:

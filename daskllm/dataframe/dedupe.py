@@ -2,8 +2,9 @@
 
 * ``"auto"`` (the default): each partition drops its own duplicates; a tree reduction over
   128-bit hashes of the partitions' distinct keys finds the keys that more than one partition
-  holds, each owned by the first partition holding it. Every partition calls the keys it holds
-  alone or owns, so each distinct input of the table is called once, and only the results of
+  holds, each owned by one of its holders picked by hashing (rendezvous hashing: the shared
+  keys' calls spread evenly over the partitions, so over the engines). Every partition calls
+  the keys it holds alone or owns, so each distinct input of the table is called once, and only the results of
   the shared keys (as many as the duplicates across partitions) reach other partitions. Only
   hashes cross partitions: no shuffle of the rows, no table broadcast. With all-distinct
   prompts it costs a hash per row; with duplicates it keeps the global dedupe.
@@ -13,15 +14,18 @@
 * ``"global"``: ``drop_duplicates`` by a task shuffle, then the table of results broadcast to
   every partition (the plan before ``"auto"``; kept to compare against).
 
-Whatever the plan, a row gets the same tokens: only which task calls a prompt changes.
+Whatever the plan, a row gets the same tokens: only which task calls a prompt changes. Each
+partition's calls run on its own worker's engines where it holds them and the table has at
+least as many partitions as engines (:func:`daskllm.dataframe.calls.compute_nested`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 from pandas.util import hash_pandas_object
 
-from daskllm.dataframe.calls import call
+from daskllm.dataframe.calls import call, spread
 from daskllm.dataframe.ops import KEY, STRING, Op
 
 STRATEGIES = ("auto", "local", "global")
@@ -43,17 +47,21 @@ def key_hashes(keys: pd.Series) -> tuple:
 
 
 def sketch(distinct: pd.DataFrame, partition_info=None) -> pd.DataFrame:
-    """A partition's distinct keys as hashes, with the partition's number."""
+    """A partition's distinct keys as hashes, with the partition's number and its rank for
+    each key (a hash of both: the holder of lowest rank owns the key)."""
     h1, h2 = key_hashes(distinct[KEY])
-    return pd.DataFrame({"h1": h1, "h2": h2, "owner": partition_info["number"], "holders": 1})
+    number = partition_info["number"]
+    with np.errstate(over="ignore"):  # multiplication modulo 2**64 is the point
+        rank = (h1 ^ np.uint64((number + 1) * 0x9E3779B97F4A7C15 % 2**64)) * np.uint64(0xBF58476D1CE4E5B9)
+    return pd.DataFrame({"h1": h1, "h2": h2, "rank": rank, "owner": number, "holders": 1})
 
 
 def merge_sketches(sketches: pd.DataFrame) -> pd.DataFrame:
-    """One row per hash: the first partition holding it and how many hold it."""
+    """One row per hash: the holder of lowest rank, its rank, and how many partitions hold it."""
     if isinstance(sketches, list):
         sketches = pd.concat(sketches)
-    return sketches.groupby(["h1", "h2"], sort=False).agg(owner=("owner", "min"), holders=("holders", "sum")) \
-        .reset_index()
+    return sketches.sort_values("rank", kind="stable").groupby(["h1", "h2"], sort=False) \
+        .agg(rank=("rank", "first"), owner=("owner", "first"), holders=("holders", "sum")).reset_index()
 
 
 def shared_owners(sketches: pd.DataFrame) -> dict[tuple[int, int], int]:
@@ -63,17 +71,17 @@ def shared_owners(sketches: pd.DataFrame) -> dict[tuple[int, int], int]:
     return dict(zip(zip(merged["h1"].tolist(), merged["h2"].tolist()), merged["owner"].tolist()))
 
 
-def call_owned(distinct: pd.DataFrame, owners: dict | None, op: Op, slots: tuple,
+def call_owned(distinct: pd.DataFrame, owners: dict | None, op: Op, slots: tuple, here: bool = True,
                partition_info=None) -> pd.DataFrame:
     """Call the distinct inputs this partition holds alone or owns; ``shared`` marks the results
-    other partitions read."""
+    other partitions read. ``here``: on this worker's engines (:func:`calls.compute_nested`)."""
     shared: list = []
     if owners:
         number = partition_info["number"]
         held = [owners.get(h) for h in zip(*(h.tolist() for h in key_hashes(distinct[KEY])))]
         shared = [k for k, o in zip(distinct[KEY], held) if o == number]
         distinct = distinct[[o is None or o == number for o in held]]
-    results = call(distinct, op, slots)
+    results = call(distinct, op, slots, here)
     return results.assign(shared=results[KEY].isin(shared).astype(bool))
 
 
@@ -91,12 +99,14 @@ def plan(frame, op: Op, slots: tuple, strategy: str):
         # A task-based shuffle: P2P's per-shuffle bookkeeping (and its log lines) costs more than
         # it saves on a column of short prompt strings.
         distinct = frame.dropna(subset=[KEY]).drop_duplicates(subset=[KEY], shuffle_method="tasks")
-        table = distinct.map_partitions(call_owned, None, op, slots, meta=RESULT_META)
+        here = not spread(distinct.npartitions, op)
+        table = distinct.map_partitions(call_owned, None, op, slots, here, meta=RESULT_META)
         return None, table.repartition(npartitions=1)
     distinct = frame.map_partitions(local_distinct, meta=frame._meta)
+    here = not spread(distinct.npartitions, op)
     if strategy == "local" or distinct.npartitions == 1:
-        return distinct.map_partitions(call_owned, None, op, slots, meta=RESULT_META, partition_info=True), None
+        return distinct.map_partitions(call_owned, None, op, slots, here, meta=RESULT_META, partition_info=True), None
     hashes = distinct.map_partitions(sketch, partition_info=True, meta=sketch(frame._meta, {"number": 0}))
     owners = hashes.reduction(lambda s: s, combine=merge_sketches, aggregate=shared_owners, meta=(None, object))
-    own = distinct.map_partitions(call_owned, owners, op, slots, meta=RESULT_META, partition_info=True)
+    own = distinct.map_partitions(call_owned, owners, op, slots, here, meta=RESULT_META, partition_info=True)
     return own, own.map_partitions(shared_results, meta=RESULT_META).repartition(npartitions=1)

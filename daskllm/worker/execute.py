@@ -12,6 +12,7 @@ joined and tokenized whole, with the tokenizer's special tokens when ``special``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 from daskllm import config
 from daskllm.annotations import DECODE_TASK, EMBED_TASK, PREFILL_TASK, RERANK_TASK, SEARCH_TASK
 from distributed import secede
+from distributed.threadpoolexecutor import thread_state as pool_state
 from distributed.worker import thread_state
 
 from daskllm.engines import Completion, PrefillHandle, SamplingParams
@@ -79,9 +81,29 @@ def off_thread(fn, *args, store: bool = True):
     their requests join the same engine steps, so the engine's batch limit, not the thread
     count, bounds a batch. The scheduler counts the task as long-running. ``store=False``:
     this computation asked for no result caching (``result_cache=False``)."""
-    if getattr(thread_state, "key", None) is not None:  # a task thread on a worker
-        secede()
+    release_slot()
     return on_thread(fn, *args, store=store)
+
+
+def release_slot() -> None:
+    """Give this task's slot in the worker's thread pool back (Dask's ``secede``) while it
+    waits on engines, unless the thread computes a plan in place (:func:`in_place`). Outside a
+    worker's pool, nothing to release."""
+    if getattr(thread_state, "key", None) is not None and getattr(pool_state, "proceed", False) \
+            and not getattr(_task, "in_place", False):
+        secede()
+
+
+@contextlib.contextmanager
+def in_place():
+    """Tasks computed in this thread, inside the task that runs it (a table partition's calls),
+    keep that task's slot: the scheduler sees one busy thread per partition, so it balances
+    partitions over the workers (and their engines) as it balances any task."""
+    _task.in_place = True
+    try:
+        yield
+    finally:
+        _task.in_place = False
 
 
 _task = threading.local()

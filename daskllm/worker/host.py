@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from distributed import WorkerPlugin, get_worker
 from distributed.core import Status
 from distributed.diagnostics import nvml
+from distributed.worker import thread_state
 
 from daskllm.engines import KINDS, Engine, EngineSpec
 from daskllm.engines.protocol import gather_requests
@@ -139,7 +140,11 @@ class EngineHost(WorkerPlugin):
     def abortable(self, task_key: str, abort: Callable[[], object]):
         """While the task ``task_key`` waits on work it started (engine requests, nested
         futures), ``abort`` stops that work if the task is cancelled or released: Dask cannot
-        interrupt the task's thread, so without this the engines would finish work nobody reads."""
+        interrupt the task's thread, so without this the engines would finish work nobody reads.
+
+        Work a task runs in its own thread (a plan computed in place, as a table partition
+        does) is registered under that running task's key: cancelling it aborts the work."""
+        task_key = getattr(thread_state, "key", None) or task_key
         self._aborts.setdefault(task_key, []).append(abort)
         if not _wanted(task_key):  # cancelled before its work was registered here
             self.transition(task_key, None, "cancelled")
