@@ -3,6 +3,7 @@
     python bench/dataframe.py --json out.json
     python bench/dataframe.py --quick            # smoke run: fewer rows
     python bench/dataframe.py --scale 100000     # map then filter on 100,000 rows: peak memory
+    python bench/dataframe.py --scale 100000 --kill-after 300   # ... with a worker killed 300 s in
     python bench/dataframe.py --cascade          # filter cascades on labelled yes/no questions
 
 Cluster: ``LocalLLMCluster(models=[MODEL], n_workers=2, threads_per_worker=4)``; tables are
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--scale", type=int, metavar="ROWS", help="map then filter on ROWS rows: peak memory")
+    parser.add_argument("--kill-after", type=float, metavar="S", help="with --scale: SIGKILL a worker S seconds in")
     parser.add_argument("--json")
     parser.add_argument("--cascade", action="store_true", help="oracle-only filter against cascades (see cascade_main)")
     args = parser.parse_args(argv)
@@ -184,6 +186,23 @@ def _peak_rss_mib(dask_worker=None) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def _kill_a_caller(client, future, after_s: float) -> str | None:
+    """SIGKILL the worker process running a partition's calls ``after_s`` seconds into the job
+    (its nanny starts a new one): the job must still finish, counting each row once."""
+    import os
+    import signal
+
+    deadline = time.monotonic() + after_s
+    while time.monotonic() < deadline and not future.done():
+        time.sleep(0.5)  # a benchmark's clock, not a synchronization
+    for worker, keys in client.processing().items():
+        if any("call_owned" in str(k) for k in keys):
+            os.kill(client.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
+            log(f"killed {worker} at {after_s:.0f} s")
+            return worker
+    return None
+
+
 def scale(args) -> int:
     """``--scale N``: N all-distinct rows through ``map`` then ``filter``, one job; peak memory."""
     import dask.dataframe as dd
@@ -208,18 +227,25 @@ def scale(args) -> int:
         mapped = ddf.llm.map("Name {item} in two words:", model=args.model, max_tokens=args.max_tokens, out="name")
         job = mapped.llm.filter("Is {name} a fruit?", model=args.model)
         start = time.perf_counter()
+        killed = None
         with daskllm.usage() as usage:
-            kept = job.id.count().compute()  # a scalar back: the client holds no table
+            future = client.compute(job.id.count())  # a scalar back: the client holds no table
+            if args.kill_after:
+                killed = _kill_a_caller(client, future, args.kill_after)
+            kept = future.result()
         wall = time.perf_counter() - start
+        client.wait_for_workers(2)
         after = {"client": _peak_rss_mib(), **client.run(_peak_rss_mib)}
     results.update(wall_s=wall, kept=int(kept), operators=usage.operators, executed=dict(usage.executed),
-                   peak_rss_mib={"before": before, "after": after})
+                   peak_rss_mib={"before": before, "after": after}, killed=killed)
     log(json.dumps(results, indent=1, default=str))
     lines = [f"{rows:,} rows in {partitions} partitions, `map` (max_tokens={args.max_tokens}) then `filter`, "
-             f"model `{args.model}`: {wall:.0f} s ({rows / wall:.0f} rows/s), {kept} rows kept", "",
+             f"model `{args.model}`: {wall:.0f} s ({rows / wall:.0f} rows/s), {kept} rows kept"
+             + (f"; worker {killed} killed (SIGKILL) {args.kill_after:.0f} s in" if killed else ""), "",
              "| process | peak RSS before the job | peak RSS after the job |", "|---|---|---|"]
-    lines += [f"| {'client' if p == 'client' else 'worker ' + p} | {before[p]:.0f} MiB | {after[p]:.0f} MiB |"
-              for p in before]
+    mib = lambda peaks, p: f"{peaks[p]:.0f} MiB" if p in peaks else "-"  # noqa: E731 - a killed worker's successor has a new address
+    lines += [f"| {'client' if p == 'client' else 'worker ' + p} | {mib(before, p)} | {mib(after, p)} |"
+              for p in dict.fromkeys([*before, *after])]
     lines += ["", "| operator | rows | distinct | executed | failed |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {o['rows']} | {o['distinct']} | {o['executed']} | {o['failed']} |"
               for name, o in usage.operators.items()]
