@@ -37,6 +37,7 @@ import json
 import os
 import pathlib
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ class ResultStore:
         self.size_limit = int(size_limit)
         self._cache = diskcache.Cache(str(self.path), size_limit=self.size_limit)
         self._digests: dict[tuple, str] = {}
+        self._loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its files' digest
         self._lock = threading.Lock()
 
     def get(self, key: str):
@@ -125,7 +127,7 @@ class ResultStore:
         """What decides an engine's tokens: its model files and its numerics (backend, dtype,
         device). A torch fp32 CPU worker and a vLLM bf16 GPU worker sharing one store path
         never answer for each other. The numerics are remembered per model for :func:`is_stored`."""
-        digest, kind = self.model_identity(engine.path), numerics(engine)
+        digest, kind = self.loaded_identity(engine), numerics(engine)
         # Read from the store each time, not from memory: after a clear() (``daskllm cache clear``
         # while workers run) the record must be written again, or is_stored never finds results.
         if kind not in self._cache.get((_NUMERICS, digest), ()):
@@ -135,6 +137,20 @@ class ResultStore:
                     seen = (*seen, kind)
                     self._cache.set((_NUMERICS, digest), seen)
         return f"{digest}|{kind}"
+
+    def loaded_identity(self, engine) -> str:
+        """:meth:`model_identity` of the files ``engine`` loaded, taken once per engine: its
+        weights do not change after loading, and every decode task asks."""
+        try:
+            return self._loaded[engine]
+        except (KeyError, TypeError):  # TypeError: an engine that cannot be weakly referenced
+            pass
+        digest = self.model_identity(engine.path)
+        try:
+            self._loaded[engine] = digest
+        except TypeError:
+            pass
+        return digest
 
     def identities(self, model_dir: str | os.PathLike) -> list[str]:
         """Every engine identity of this model that has stored results (any backend, dtype, device)."""
