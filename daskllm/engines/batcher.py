@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
+from daskllm.engines.lifecycle import close_at_exit
+
 logger = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
@@ -44,6 +46,7 @@ class Batcher(Generic[Item, Result]):
         self.busy_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name=f"daskllm-{name}", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     @property
     def waiting(self) -> int:

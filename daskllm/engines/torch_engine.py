@@ -24,6 +24,7 @@ from daskllm import config, models
 from daskllm.engines.detok import TextStream
 from daskllm.engines.grammar import Grammars, advance, allowed
 from daskllm.engines.kv_cache import BlockManager
+from daskllm.engines.lifecycle import close_at_exit
 from daskllm.engines.llama import LlamaModel, StepInput
 from daskllm.engines.protocol import (
     BatchingEngine,
@@ -90,6 +91,7 @@ class TorchEngine(BatchingEngine):
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"daskllm-engine-{self.name}", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     def __repr__(self) -> str:
         return f"<TorchEngine {self.name!r} on {self.model.device}, {self._blocks.num_blocks} blocks>"
