@@ -32,7 +32,6 @@ from daskllm.dataframe.ops import (
     yes_no,
 )
 from daskllm.engines import SamplingParams
-from daskllm.models import model_name
 from daskllm.ops import engine_of
 from daskllm.plan.context import LOCAL
 from daskllm.runtime import submit
@@ -178,10 +177,8 @@ def served_here(node) -> bool:
         seen.add(n.key)
         if n.op not in HERE_OPS:
             return False
-        if (engine := engine_of(n)) is not None:
-            held = plugin.engines.get(engine[0], {})
-            if engine[1] not in held and model_name(engine[1]) not in held:
-                return False
+        if (engine := engine_of(n)) is not None and plugin.resident(engine[1], engine[0]) is None:
+            return False
         todo.extend(n.inputs.values())
     return True
 

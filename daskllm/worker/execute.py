@@ -22,7 +22,6 @@ import numpy as np
 from daskllm import config
 from daskllm.annotations import DECODE_TASK, EMBED_TASK, PREFILL_TASK, RERANK_TASK, SEARCH_TASK
 from distributed import secede
-from distributed.threadpoolexecutor import thread_state as pool_state
 from distributed.worker import thread_state
 
 from daskllm.engines import Completion, PrefillHandle, SamplingParams
@@ -80,18 +79,11 @@ def off_thread(fn, *args, store: bool = True):
     the worker's thread pool (Dask's ``secede``): the worker starts other tasks meanwhile and
     their requests join the same engine steps, so the engine's batch limit, not the thread
     count, bounds a batch. The scheduler counts the task as long-running. ``store=False``:
-    this computation asked for no result caching (``result_cache=False``)."""
-    release_slot()
+    this computation asked for no result caching (``result_cache=False``). A task computed in
+    place (:func:`in_place`) keeps the slot of the task running it."""
+    if getattr(thread_state, "key", None) is not None and not getattr(_task, "in_place", False):
+        secede()  # a task thread on a worker
     return on_thread(fn, *args, store=store)
-
-
-def release_slot() -> None:
-    """Give this task's slot in the worker's thread pool back (Dask's ``secede``) while it
-    waits on engines, unless the thread computes a plan in place (:func:`in_place`). Outside a
-    worker's pool, nothing to release."""
-    if getattr(thread_state, "key", None) is not None and getattr(pool_state, "proceed", False) \
-            and not getattr(_task, "in_place", False):
-        secede()
 
 
 @contextlib.contextmanager

@@ -172,6 +172,13 @@ class EngineHost(WorkerPlugin):
         self.indexes = {}
         close_engines(engines)
 
+    def resident(self, model: str, kind: str = "llm") -> Engine | None:
+        """This worker's loaded ``kind`` engine for ``model`` (by the name it was given or its
+        recipe name), or None."""
+        engines = self.engines.get(kind, {})
+        engine = engines.get(model)
+        return engine if engine is not None else engines.get(model_name(model))
+
     def models(self) -> dict[str, list[str]]:
         """What this worker serves: while its engines load, what it was configured with (tasks
         placed here wait for them); after a failed load, nothing."""
@@ -318,15 +325,12 @@ def get_engine(model: str, kind: str = "llm") -> Engine:
     """
     plugin = host()
     plugin.wait_loaded()
-    engines = plugin.engines.get(kind, {})
-    engine = engines.get(model)
-    if engine is None:
-        engine = engines.get(model_name(model))
+    engine = plugin.resident(model, kind)
     if engine is None and isinstance(plugin, LocalHost):
         return plugin.load(model, kind)
     if engine is None:
         raise LookupError(f"{kind} model {model!r} is not resident on worker {get_worker().address}; "
-                          f"it holds {sorted(engines)}")
+                          f"it holds {sorted(plugin.engines.get(kind, {}))}")
     return engine
 
 

@@ -141,15 +141,9 @@ class ResultStore:
     def loaded_identity(self, engine) -> str:
         """:meth:`model_identity` of the files ``engine`` loaded, taken once per engine: its
         weights do not change after loading, and every decode task asks."""
-        try:
-            return self._loaded[engine]
-        except (KeyError, TypeError):  # TypeError: an engine that cannot be weakly referenced
-            pass
-        digest = self.model_identity(engine.path)
-        try:
-            self._loaded[engine] = digest
-        except TypeError:
-            pass
+        digest = self._loaded.get(engine)
+        if digest is None:
+            digest = self._loaded[engine] = self.model_identity(engine.path)
         return digest
 
     def identities(self, model_dir: str | os.PathLike) -> list[str]:
