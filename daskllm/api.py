@@ -109,7 +109,8 @@ def generate(prompt_, model: str | None = None, *, max_tokens: int = 16, tempera
     ``max_tokens`` cuts it.
 
     With ``logprobs=k`` (an int) its value is instead a record ``{"text": ..., "logprobs": [...],
-    "top_logprobs": [{token id: logprob}, ...]}``: each generated token's log-probability under
+    "top_logprobs": [{token id: logprob}, ...], "token_ids": [...], "finish_reason": "eos" | "stop" | "length"}``:
+    each generated token's log-probability under
     the distribution it was drawn from (after ``allowed_token_ids`` and any grammar: for a
     yes/no answer, the probability among the allowed tokens), and the ``k`` likeliest tokens'.
 

@@ -14,6 +14,7 @@ from daskllm import demo as demo_job
 from daskllm.cluster import DASHBOARD_ADDRESS
 from daskllm.datasets import catalog, load
 from daskllm.models import cache_dir, list_recipes, resolve
+from daskllm.serve import serve_command
 from daskllm.worker.store import open_store
 
 
@@ -60,6 +61,9 @@ def bench(args):
     except SystemExit as exc:
         if exc.code:
             raise
+
+
+main.add_command(serve_command)
 
 
 @main.group()

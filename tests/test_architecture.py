@@ -87,6 +87,9 @@ def _reaches(source_prefix: str, target_prefix: str) -> list[tuple[str, str]]:
     ("daskllm.placement", "daskllm.plan"), ("daskllm.dashboard", "daskllm.placement"),
     ("daskllm.dashboard", "daskllm.engines"), ("daskllm.runtime", "daskllm.api"),
     ("daskllm.runtime", "daskllm.dataframe"),
+    # serving is the top layer: only the CLI imports it
+    *((layer, "daskllm.serve") for layer in ("daskllm.api", "daskllm.runtime", "daskllm.plan", "daskllm.ops",
+                                               "daskllm.worker", "daskllm.engines", "daskllm.dataframe")),
 ])
 def test_layers(lower, upper):
     assert not _reaches(lower, upper), f"{lower} must not import {upper}"
@@ -97,6 +100,7 @@ def test_layers(lower, upper):
 DEFERRED = {
     ("daskllm.engines", "daskllm.engines.torch_engine"),  # torch: loaded where an LLM engine is built
     ("daskllm.engines", "daskllm.engines.vllm"),  # vllm: CUDA workers only
+    ("daskllm.engines", "daskllm.engines.remote"),  # openai client: only where a remote engine is built
     ("daskllm.engines", "daskllm.engines.embedder"),  # torch
     ("daskllm.engines", "daskllm.engines.reranker"),  # torch
     ("daskllm.engines.reranker", "daskllm.engines.vllm"),

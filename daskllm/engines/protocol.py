@@ -248,8 +248,9 @@ class Engine(Protocol):
     block_size: int
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               on_text: TokenCallback | None = None) -> Future[Completion]:
-        """Queue a generation; ``on_text`` receives text deltas as they are decoded."""
+               on_text: TokenCallback | None = None, priority: int = 0) -> Future[Completion]:
+        """Queue a generation; ``on_text`` receives text deltas as they are decoded. Waiting
+        requests start in ``priority`` order, lower first (vLLM's convention), then in arrival order."""
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
                  return_exceptions: bool = False) -> list[Completion]:
@@ -324,7 +325,8 @@ class BatchingEngine:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def submit_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Future]:
+    def submit_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
+                    priority: int = 0) -> list[Future]:
         """Submit prompts together, so they join the same engine step. A bad prompt does not stop
         the others: its slot holds a future failed with a RequestError naming its position."""
         if isinstance(prompts, str):
@@ -337,19 +339,19 @@ class BatchingEngine:
                 error = RequestError(f"prompt {i}: {exc}")
                 error.__cause__ = exc  # the reason alone, for a caller that names its prompts otherwise
                 failed[i] = failed_future(error)
-        started = iter(self._start_all(prepared))
+        started = iter(self._start_all(prepared, priority))
         return [failed[i] if i in failed else next(started) for i in range(len(prompts))]
 
     def _prepare(self, prompt: Prompt, params: SamplingParams | None):
         """A checked request (RequestError if it is bad), not yet started."""
         raise NotImplementedError
 
-    def _start_all(self, prepared: list) -> list[Future]:
+    def _start_all(self, prepared: list, priority: int = 0) -> list[Future]:
         """Start checked requests, atomically where the engine can."""
         raise NotImplementedError
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               on_text: TokenCallback | None = None) -> Future[Completion]:
+               on_text: TokenCallback | None = None, priority: int = 0) -> Future[Completion]:
         raise NotImplementedError
 
     def submit_prefill(self, prompt: Prompt) -> Future[PrefillHandle]:

@@ -2,7 +2,8 @@
 
 Every step has a token budget. Running sequences go first (a decode needs one token, a
 prompt still being prefilled takes a chunk), then waiting sequences are admitted in
-arrival order, each starting from the longest prefix already in the KV cache. When the
+priority order (lower first; arrival order among equals: first come, first served when no
+request names one), each starting from the longest prefix already in the KV cache. When the
 cache runs out of blocks, the newest running sequence is preempted: its blocks are
 released (its prefix usually stays cached) and it is recomputed later, which changes
 nothing in its output.
@@ -30,6 +31,7 @@ class Sequence:
     params: SamplingParams
     future: Future
     prefill_only: bool = False
+    priority: int = 0  # waiting requests start lowest first (a deadline, or a user's priority)
     on_text: TokenCallback | None = None
     text: TextStream | None = None
     generator: torch.Generator | None = None
@@ -66,6 +68,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.cached_tokens = 0
+
+    def add(self, arrived) -> None:
+        """Queue newly arrived sequences: behind every waiting one of the same or a lower priority value."""
+        for seq in arrived:
+            if not self.waiting or self.waiting[-1].priority <= seq.priority:
+                self.waiting.append(seq)  # the common case: O(1)
+                continue
+            at = len(self.waiting)
+            while at and self.waiting[at - 1].priority > seq.priority:
+                at -= 1
+            self.waiting.insert(at, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

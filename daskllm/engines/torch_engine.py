@@ -99,13 +99,17 @@ class TorchEngine(BatchingEngine):
     # --- the Engine protocol -------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               on_text: TokenCallback | None = None) -> Future[Completion]:
-        return self._enqueue([self._sequence(prompt, params, on_text)])[0]
+               on_text: TokenCallback | None = None, priority: int = 0) -> Future[Completion]:
+        seq = self._sequence(prompt, params, on_text)
+        seq.priority = priority
+        return self._enqueue([seq])[0]
 
     def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> Sequence:
         return self._sequence(prompt, params)
 
-    def _start_all(self, prepared: list[Sequence]) -> list[Future]:
+    def _start_all(self, prepared: list[Sequence], priority: int = 0) -> list[Future]:
+        for seq in prepared:
+            seq.priority = priority
         return self._enqueue(prepared)  # one step sees them all
 
     def _sequence(self, prompt: Prompt, params: SamplingParams | None, on_text: TokenCallback | None = None):
@@ -223,7 +227,7 @@ class TorchEngine(BatchingEngine):
                 if self._closed:
                     return
                 with self._state:
-                    self._scheduler.waiting.extend(self._inbox)
+                    self._scheduler.add(self._inbox)
                     self._inbox.clear()
             try:
                 self._step()

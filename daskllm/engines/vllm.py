@@ -246,6 +246,8 @@ class VLLMEngine(BatchingEngine):
             **({"max_num_batched_tokens": max(max_num_batched_tokens, self.block_size)}
                if max_num_batched_tokens else {}),
             **({"num_gpu_blocks_override": kv_cache_tokens // self.block_size} if kv_cache_tokens else {}),
+            # Waiting requests in priority order (the Engine protocol's priority=), as the torch engine.
+            scheduling_policy="priority",
             **engine_args,
         )
         self._stats = EngineStats()
@@ -293,15 +295,15 @@ class VLLMEngine(BatchingEngine):
     # --- the Engine protocol ---------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               on_text: TokenCallback | None = None) -> Future[Completion]:
+               on_text: TokenCallback | None = None, priority: int = 0) -> Future[Completion]:
         ids, params = self._request(prompt, params)
-        return self._start_request(ids, params, on_text)
+        return self._start_request(ids, params, on_text, priority=priority)
 
     def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> tuple:
         return self._request(prompt, params)
 
-    def _start_all(self, prepared: list[tuple]) -> list[Future]:
-        return [self._start_request(ids, params, None) for ids, params in prepared]
+    def _start_all(self, prepared: list[tuple], priority: int = 0) -> list[Future]:
+        return [self._start_request(ids, params, None, priority=priority) for ids, params in prepared]
 
     def submit_prefill(self, prompt: Prompt) -> Future[PrefillHandle]:
         ids = self._encode(prompt)
@@ -367,7 +369,7 @@ class VLLMEngine(BatchingEngine):
         return ids, params
 
     def _start_request(self, ids: list[int], params: SamplingParams, on_text: TokenCallback | None,
-                       prefill_hashes: tuple[int, ...] | None = None) -> Future:
+                       prefill_hashes: tuple[int, ...] | None = None, priority: int = 0) -> Future:
         request_id = f"{self.name}-{next(_request_ids)}"
         future: Future = Future()
         with self._lock:
@@ -376,13 +378,13 @@ class VLLMEngine(BatchingEngine):
             self._pending[request_id] = future
             self._stats.requests_submitted += 1
         task = asyncio.run_coroutine_threadsafe(
-            self._generate(request_id, ids, params, on_text, future, prefill_hashes), self._loop)
+            self._generate(request_id, ids, params, on_text, future, prefill_hashes, priority), self._loop)
         # Cancelling the caller's future cancels the coroutine, and vLLM aborts the request.
         future.add_done_callback(lambda f: f.cancelled() and task.cancel())
         return future
 
     async def _generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                        on_text: TokenCallback | None, future: Future, prefill_hashes) -> None:
+                        on_text: TokenCallback | None, future: Future, prefill_hashes, priority: int = 0) -> None:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -393,7 +395,8 @@ class VLLMEngine(BatchingEngine):
         vllm_params = VLLMSamplingParams(**kwargs, output_kind=RequestOutputKind.CUMULATIVE)
         final, sent = None, 0
         try:
-            async for output in self._engine.generate(TokensPrompt(prompt_token_ids=ids), vllm_params, request_id):
+            async for output in self._engine.generate(TokensPrompt(prompt_token_ids=ids), vllm_params, request_id,
+                                                       priority=priority):
                 final = output
                 text = output.outputs[0].text
                 if on_text is not None and len(text) > sent:

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue as queue_mod
 import threading
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
 
 from daskllm import config
 from daskllm.annotations import DECODE_TASK, EMBED_TASK, PREFILL_TASK, RERANK_TASK, SEARCH_TASK
-from distributed import secede
+from distributed import get_worker, secede
 from distributed.worker import thread_state
 
 from daskllm.engines import Completion, PrefillHandle, SamplingParams
@@ -33,7 +35,7 @@ from daskllm.streaming.wire import Source
 from daskllm.worker import calls
 from daskllm.worker.consumer import Consumer
 from daskllm.worker.failures import NullInput, Origins, attempt, failed, merge, ok, raise_others
-from daskllm.worker.host import get_engine, host, in_worker, wait_requests
+from daskllm.worker.host import get_engine, host, in_worker, task_priority, wait_requests
 from daskllm.worker.indexes import merge_shards, search_shard
 from daskllm.worker.store import ResultStore, StoredCompletion, decode_key, embed_key, open_store
 from daskllm.worker.streams import StreamWriter, stream_decode
@@ -183,7 +185,7 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Ori
     store = task_store()
     keys, stored = _lookup_decodes(store, engine, runnable, sampling)
     todo = [j for j, s in enumerate(stored) if s is None]
-    futures = engine.submit_many([runnable[j] for j in todo], sampling) if todo else []
+    futures = engine.submit_many([runnable[j] for j in todo], sampling, priority=task_priority(task_key)) if todo else []
     if store is not None:
         for j, f in zip(todo, futures):
             _store_when_done(store, keys[j], f)
@@ -196,11 +198,12 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Ori
 
 
 def value(completion: Completion | StoredCompletion, sampling: SamplingParams):
-    """A call's value: its text, or with ``sampling.logprobs`` a small record of the text and
-    each generated token's log-probability."""
+    """A call's value: its text, or with ``sampling.logprobs`` a small record of the text, each
+    generated token's log-probability, the tokens and why it ended (what a server's response needs)."""
     if sampling.logprobs is not None:
         return {"text": completion.text, "logprobs": list(completion.logprobs or ()),
-                "top_logprobs": [dict(top) for top in completion.top_logprobs or ()]}
+                "top_logprobs": [dict(top) for top in completion.top_logprobs or ()],
+                "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason}
     return completion.text
 
 
@@ -340,3 +343,41 @@ def assemble(spec: list, *deps):
     if isinstance(spec, tuple):  # scalar
         return _value(spec[0], deps)
     return [_value(part, deps) for part in spec]
+
+
+def run_streamed_call(model: str, prompt_ids: list[int], sampling: SamplingParams, topic: str,
+                      request_id: str) -> dict:
+    """One request whose client reads its text as it is decoded (a server's streamed response):
+    every engine step's new text goes out as a Dask event on ``topic`` (``Worker.log_event``:
+    pushed to the subscribed client, no polling), ``{"id", "run", "at", "delta"}`` where ``at``
+    is the delta's offset in the text, so a run restarted on another worker (this one died)
+    repeats nothing the client already has. Returns the whole completion as a record."""
+    worker = get_worker()
+    task_key = worker.get_current_task()
+    engine = get_engine(model)
+    if getattr(thread_state, "key", None) is not None:
+        secede()  # it waits on its engine: other tasks take the thread meanwhile
+    deltas: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    run, sent = uuid.uuid4().hex[:8], 0
+    future = engine.submit(prompt_ids, sampling, on_text=deltas.put, priority=task_priority(task_key))
+    future.add_done_callback(lambda _: deltas.put(None))
+    with host().abortable(task_key, future.cancel):
+        while True:
+            pieces = [deltas.get()]
+            while True:  # whatever else this engine step gave: one event
+                try:
+                    pieces.append(deltas.get_nowait())
+                except queue_mod.Empty:
+                    break
+            text = "".join(p for p in pieces if p)
+            if text:
+                worker.log_event(topic, {"id": request_id, "run": run, "at": sent, "delta": text})
+                sent += len(text)
+            if None in pieces:
+                break
+        completion = future.result()
+    _record_decode(task_key, model, [completion], streamed=True)
+    return {"text": completion.text, "token_ids": list(completion.token_ids),
+            "finish_reason": completion.finish_reason, "prompt_token_ids": list(completion.prompt_token_ids),
+            "cached_tokens": completion.num_cached_tokens, "logprobs": completion.logprobs,
+            "top_logprobs": [dict(t) for t in completion.top_logprobs] if completion.top_logprobs else None}

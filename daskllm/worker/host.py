@@ -368,3 +368,14 @@ def in_worker() -> bool:
         return True
     except ValueError:
         return False
+
+
+def task_priority(task_key: str) -> int:
+    """The engine priority of the running task ``task_key``: the first element of its Dask
+    priority (the submission's ``priority=`` negated, so lower runs first, as engines order),
+    which makes a request's deadline order the engine's waiting queue too. 0 outside a worker."""
+    try:
+        ts = get_worker().state.tasks.get(task_key)
+    except ValueError:
+        return 0
+    return int(ts.priority[0]) if ts is not None and ts.priority else 0

@@ -16,7 +16,7 @@ from distributed import Queue, get_client
 from daskllm import config
 from daskllm.streaming.split import ItemEmitter, Splitter
 from daskllm.streaming.wire import queue_name
-from daskllm.worker.host import host, wait_requests
+from daskllm.worker.host import host, task_priority, wait_requests
 
 class StreamWriter:
     """The decode side: sends each call's new items to its consumers' queues.
@@ -95,18 +95,20 @@ def stream_decode(task_key: str, engine, prompts: list, sampling, split: Splitte
     """Generate for ``prompts`` together; send items as they complete. Returns the completions.
     If the task ``task_key`` is cancelled meanwhile, its engine requests are."""
     if writer is None:
-        return wait_requests(task_key, engine.submit_many(prompts, sampling))
+        return wait_requests(task_key, engine.submit_many(prompts, sampling, priority=task_priority(task_key)))
     deltas: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     futures: list = []
     with host().abortable(task_key, lambda: [f.cancel() for f in futures]):
-        return _stream(engine, prompts, sampling, split, writer, deltas, futures)
+        return _stream(engine, prompts, sampling, split, writer, deltas, futures, task_priority(task_key))
 
 
-def _stream(engine, prompts: list, sampling, split: Splitter, writer: StreamWriter, deltas, futures: list) -> list:
+def _stream(engine, prompts: list, sampling, split: Splitter, writer: StreamWriter, deltas, futures: list,
+            priority: int) -> list:
     try:
         for pos, p in enumerate(prompts):
             # Engine callbacks only enqueue: queue round trips must not slow the engine loop.
-            futures.append(engine.submit(p, sampling, on_text=lambda d, pos=pos: deltas.put((pos, d))))
+            futures.append(engine.submit(p, sampling, on_text=lambda d, pos=pos: deltas.put((pos, d)),
+                                         priority=priority))
             futures[-1].add_done_callback(lambda _, pos=pos: deltas.put((pos, None)))
         texts = [""] * len(prompts)
         emitters = [ItemEmitter(split, lambda i, v, pos=pos: writer.item(pos, i, v)) for pos in range(len(prompts))]

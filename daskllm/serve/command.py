@@ -1,0 +1,62 @@
+"""``daskllm serve``: an OpenAI-compatible server over a Dask cluster (local, or one it joins)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from distributed import Client
+
+from daskllm.cluster import DASHBOARD_ADDRESS, LocalLLMCluster
+from daskllm.models import DEFAULT_EMBEDDING_MODEL
+from daskllm.serve.server import run
+from daskllm.serve.service import Service
+from daskllm.worker import resident_models
+
+
+@click.command("serve")
+@click.option("--model", "models", multiple=True,
+              help="LLM the workers hold (repeatable; default: daskllm.model). With --scheduler: what the "
+                   "cluster's workers already hold is served, and --model is not needed.")
+@click.option("--embedder", "embedders", multiple=True, help="Embedding model for /v1/embeddings (repeatable).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on (0.0.0.0: every interface; then set --api-key).")
+@click.option("--port", default=8000, show_default=True, help="Port (0: a free one, printed at start).")
+@click.option("--workers", "n_workers", default=2, show_default=True, help="Local worker processes.")
+@click.option("--threads", "threads_per_worker", default=16, show_default=True, help="Dask threads per local worker.")
+@click.option("--scheduler", default=None, help="Join this Dask scheduler instead of starting a local cluster.")
+@click.option("--api-key", envvar="DASKLLM_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` (default: $DASKLLM_API_KEY; none: open).")
+@click.option("--window", default=0.0, show_default=True,
+              help="Milliseconds a micro-batch may wait for more requests while the previous one is planned.")
+@click.option("--max-batch", default=256, show_default=True, help="Most requests planned together.")
+@click.option("--no-consolidate", is_flag=True, help="Plan and submit each request alone (for comparison).")
+@click.option("--pipelines", is_flag=True,
+              help="Serve the reference pipelines at /v1/pipelines/NAME (a source checkout; adds the default embedder).")
+@click.option("--dashboard-address", default=DASHBOARD_ADDRESS, show_default=True,
+              help="The local cluster's dashboard.")
+def serve_command(models, embedders, host, port, n_workers, threads_per_worker, scheduler, api_key, window,
+                  max_batch, no_consolidate, pipelines, dashboard_address):
+    """Serve LLMs over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
+    /v1/models), with requests consolidated into joint plans on a Dask cluster."""
+    if pipelines and not embedders:
+        embedders = (DEFAULT_EMBEDDING_MODEL,)
+    cluster = None
+    if scheduler is None:
+        cluster = LocalLLMCluster(models=list(models) or None, embedders=list(embedders), n_workers=n_workers,
+                                  threads_per_worker=threads_per_worker, dashboard_address=dashboard_address)
+    try:
+        with Client(cluster if cluster is not None else scheduler) as client:
+            if cluster is not None:
+                resident_models(client)  # engines loaded before the first request
+            service = Service(client, consolidate=not no_consolidate, window=window / 1000, max_batch=max_batch,
+                              pipelines=pipelines)
+            run(service, host=host, port=port, api_key=api_key or None, on_started=_announce)
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def _announce(url: str) -> None:
+    click.echo(f"daskllm serve: listening on {url}")
+    sys.stdout.flush()  # a supervisor (or a test) reading the pipe learns the address now

@@ -1,0 +1,186 @@
+"""Request consolidation: requests that arrive close together are planned as one graph.
+
+Each request is a daskllm node. Rather than planning and submitting every request alone,
+the :class:`Consolidator` gathers the requests that arrive while the previous micro-batch is
+being planned (group commit: at low load a request goes alone, at once; under load batches
+grow with the load), optionally waiting up to ``window`` seconds more, and plans them
+together with one ``plan_and_submit``: CSE, shared-prefix prefill, batching and placement
+then work across requests, as in Halo and Harmonia.
+
+A request never waits for a batch longer than its deadline allows: the flush comes no later
+than its deadline less the recent service time. Pending requests leave in deadline order
+(earliest first, then ``priority``), and each micro-batch is submitted with the Dask priority
+of its most urgent request, which orders Dask's queues and, through the tasks' priority, the
+engines' waiting queues (see :func:`daskllm.worker.host.task_priority`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from distributed import as_completed
+
+from daskllm.plan.ir import Node
+from daskllm.runtime.submit import overrides, plan_and_submit
+
+logger = logging.getLogger(__name__)
+
+# Priority keys pack (priority, deadline in ms since the server started) into one int, as
+# Dask's user priority is one int: priority first, deadline among equals.
+_DEADLINE_BITS = 32
+NO_DEADLINE_MS = (1 << _DEADLINE_BITS) - 1
+
+
+@dataclass(order=True)
+class Pending:
+    order: int  # lower leaves first
+    seq: int
+    node: Node = field(compare=False)
+    deadline: float = field(compare=False)  # loop time; inf when none
+    result: asyncio.Future = field(compare=False)
+
+
+@dataclass
+class ConsolidatorStats:
+    batches: int = 0
+    requests: int = 0
+    largest_batch: int = 0
+    planning_seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"batches": self.batches, "requests": self.requests, "largest_batch": self.largest_batch,
+                "mean_batch": self.requests / self.batches if self.batches else 0.0,
+                "planning_seconds": self.planning_seconds}
+
+
+class Consolidator:
+    """Micro-batches requests' nodes into joint plans on ``client``'s cluster.
+
+    ``enabled=False`` plans and submits each request alone, the moment it arrives (the
+    baseline consolidation is measured against). ``window``: seconds a micro-batch may wait
+    for more requests while earlier ones are being planned; 0 waits only for the planner.
+    """
+
+    def __init__(self, client, *, enabled: bool = True, window: float = 0.0, max_batch: int = 256,
+                 plan_options: dict | None = None):
+        self.client = client
+        self.enabled = enabled
+        self.window = window
+        self.max_batch = max_batch
+        self.plan_options = dict(plan_options or {})
+        self.stats = ConsolidatorStats()
+        self._pending: list[Pending] = []
+        self._seq = itertools.count()
+        self._planning = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._epoch = time.monotonic()
+        self._service = 0.0  # recent planning-and-submission time of a batch, seconds (EWMA)
+        # Planning holds the GIL, so one planner thread is all that helps; results are awaited
+        # on a wider pool (one thread per batch in flight).
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="daskllm-serve-plan")
+        self._waiters = ThreadPoolExecutor(64, thread_name_prefix="daskllm-serve-wait")
+
+    def order_key(self, priority: int, deadline_ms: float | None, now: float) -> int:
+        """One int ordering requests: ``priority`` first (lower first), then absolute deadline."""
+        if deadline_ms is None:
+            at = NO_DEADLINE_MS
+        else:
+            at = min(NO_DEADLINE_MS - 1, int((now - self._epoch) * 1000 + deadline_ms))
+        return (int(priority) << _DEADLINE_BITS) + at
+
+    async def run(self, node: Node, *, priority: int = 0, deadline_ms: float | None = None):
+        """The value of ``node``, computed in a micro-batch with whatever arrives alongside."""
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        deadline = loop.time() + deadline_ms / 1000 if deadline_ms is not None else math.inf
+        pending = Pending(self.order_key(priority, deadline_ms, now), next(self._seq), node, deadline,
+                          loop.create_future())
+        self._pending.append(pending)
+        self._schedule(loop)
+        return await pending.result
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._pending or self._planning:
+            return  # the planner's return flushes what arrived meanwhile
+        if not self.enabled or self.window <= 0:
+            self._flush(loop)
+            return
+        # Wait for the window, but never past what the most urgent request's deadline allows.
+        first = min(p.deadline for p in self._pending) - self._service
+        at = min(loop.time() + self.window, first)
+        if at <= loop.time():
+            self._flush(loop)
+        elif self._timer is None or self._timer.when() > at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(at, self._flush, loop)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._pending or self._planning:
+            return
+        self._pending.sort()
+        size = self.max_batch if self.enabled else 1
+        batch, self._pending = self._pending[:size], self._pending[size:]
+        self._planning = True
+        planned = loop.run_in_executor(self._planner, self._submit, batch)
+        planned.add_done_callback(lambda f: self._submitted(loop, batch, f))
+
+    def _submit(self, batch: list[Pending]):
+        """Plan and submit a batch (planner thread): one future per distinct node."""
+        start = time.perf_counter()
+        nodes = list({p.node.key: p.node for p in batch}.values())
+        with overrides(dict(self.plan_options)):
+            submission = plan_and_submit(nodes, self.client, priority=-batch[0].order)
+        seconds = time.perf_counter() - start
+        self.stats.batches += 1
+        self.stats.requests += len(batch)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+        self.stats.planning_seconds += seconds
+        self._service = seconds if not self._service else 0.8 * self._service + 0.2 * seconds
+        return dict(zip((n.key for n in nodes), submission.futures))
+
+    def _submitted(self, loop: asyncio.AbstractEventLoop, batch: list[Pending], planned) -> None:
+        self._planning = False
+        try:
+            futures = planned.result()
+        except Exception as exc:  # noqa: BLE001 - a batch that cannot be planned: its requests fail
+            for p in batch:
+                if not p.result.done():
+                    p.result.set_exception(exc)
+        else:
+            waiting: dict[str, list[Pending]] = {}
+            for p in batch:
+                waiting.setdefault(p.node.key, []).append(p)
+            loop.run_in_executor(self._waiters, self._deliver, loop, futures, waiting)
+        self._schedule(loop)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, futures: dict, waiting: dict) -> None:
+        """Hand each request its value as soon as its future finishes (waiter thread)."""
+        by_future = {f.key: key for key, f in futures.items()}
+        for future, value in as_completed(list(futures.values()), with_results=True, raise_errors=False):
+            if future.status == "error":
+                value = value[1]  # (type, exception, traceback)
+            for p in waiting[by_future[future.key]]:
+                loop.call_soon_threadsafe(_settle, p.result, value)
+
+    def close(self) -> None:
+        self._planner.shutdown(wait=False, cancel_futures=True)
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(result: asyncio.Future, value) -> None:
+    if result.done():  # the client went away
+        return
+    if isinstance(value, BaseException):
+        result.set_exception(value)
+    else:
+        result.set_result(value)

@@ -1,0 +1,349 @@
+"""The OpenAI wire format: requests parsed into daskllm calls, results written as responses.
+
+Only this module knows OpenAI's field names. A request becomes a :class:`Call` (a daskllm
+prompt, ``generate`` options and how to answer); a bad field is an :class:`APIError` naming it,
+answered with OpenAI's error body. Extensions follow vLLM's spelling where it has one
+(``ignore_eos``, ``allowed_token_ids``, ``structured_outputs``, ``return_token_ids``,
+``priority``), so a client written for vLLM works unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from daskllm.prompts import Prompt, as_prompt, chat, tokens
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class APIError(Exception):
+    """A request the server answers with an OpenAI error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):  # noqa: A002 - OpenAI's name
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do (clients send e.g. `user`);
+    # known fields daskllm cannot honour are refused by name below.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM's names)
+    ignore_eos: bool = False
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: dict | None = None
+    return_token_ids: bool = False
+    priority: int = 0
+    # daskllm's: the latency target of this request, in milliseconds from its arrival
+    deadline_ms: float | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, as OpenAI's
+
+
+class PipelineRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    question: str
+    contexts: list[str] | None = None
+    model: str | None = None
+    max_tokens: int = 16
+    priority: int = 0
+    deadline_ms: float | None = None
+
+
+@dataclass
+class Call:
+    """One request as daskllm runs it: ``generate(prompt, model=model, **options)``."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt: Prompt
+    options: dict
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    logprobs: int | None = None  # what the client asked for (the call always computes logprobs=0 or more)
+    priority: int = 0
+    deadline_ms: float | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _options(req: _Request, max_tokens: int | None, default_max_tokens: int) -> dict:
+    if req.n != 1:
+        raise APIError("n: only n=1 is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise APIError(f"{name}: penalties are not supported", param=name)
+    allowed = list(req.allowed_token_ids or ())
+    for token, bias in (req.logit_bias or {}).items():
+        # Only "+100" (always allowed) has a meaning daskllm keeps: a restriction to those tokens.
+        if bias < 100:
+            raise APIError("logit_bias: only biases of 100 (restrict the output to those tokens) are supported",
+                           param="logit_bias")
+        try:
+            allowed.append(int(token))
+        except ValueError:
+            raise APIError(f"logit_bias: {token!r} is not a token id", param="logit_bias") from None
+    options: dict[str, Any] = dict(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
+        ignore_eos=req.ignore_eos, allowed_token_ids=sorted(set(allowed)))
+    if req.structured_outputs:
+        options.update(_structured(req.structured_outputs))
+    if req.deadline_ms is not None and not req.deadline_ms > 0:
+        raise APIError("deadline_ms must be a positive number of milliseconds", param="deadline_ms")
+    return options
+
+
+def _structured(spec: dict) -> dict:
+    known = {"json": "schema", "choice": "choices", "regex": "regex"}
+    given = [k for k in spec if spec[k] is not None]
+    if len(given) != 1 or given[0] not in known:
+        raise APIError(f"structured_outputs: give exactly one of {sorted(known)}, got {sorted(spec)}",
+                       param="structured_outputs")
+    value = spec[given[0]]
+    if given[0] == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise APIError(f"structured_outputs.json: not valid JSON ({exc})", param="structured_outputs") from None
+    return {known[given[0]]: value}
+
+
+def completion_calls(req: CompletionRequest, default_max_tokens: int) -> list[Call]:
+    """One call per prompt of a completions request (``prompt`` may be a list of prompts)."""
+    if req.echo:
+        raise APIError("echo is not supported", param="echo")
+    if req.best_of not in (None, 1):
+        raise APIError("best_of: only 1 is supported", param="best_of")
+    if req.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise APIError("logprobs must be between 0 and 20", param="logprobs")
+    options = _options(req, req.max_tokens, 16)  # OpenAI's default for completions
+    raw = req.prompt
+    prompts: list = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    if not prompts:
+        raise APIError("prompt must not be empty", param="prompt")
+    calls = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            prompt = as_prompt(p)
+        elif p and all(isinstance(t, int) and t >= 0 for t in p):
+            prompt = tokens(p, req.model)
+        else:
+            raise APIError(f"prompt[{i}] must be text or a non-empty list of token ids", param="prompt")
+        calls.append(_call("completion", req, prompt, options, req.logprobs))
+    return calls
+
+
+def chat_call(req: ChatRequest) -> Call:
+    if not req.messages:
+        raise APIError("messages must not be empty", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            if any(p.type != "text" for p in m.content):
+                raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
+            text = "".join(p.text or "" for p in m.content)
+        else:
+            text = m.content or ""
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    options = _options(req, req.max_completion_tokens or req.max_tokens, 512)
+    if req.response_format:
+        options.update(_response_format(req.response_format))
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise APIError("top_logprobs must be between 0 and 20", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _call("chat", req, chat(messages), options, logprobs)
+
+
+def _response_format(fmt: dict) -> dict:
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"schema": {"type": "object"}}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError("response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return {"schema": schema}
+    raise APIError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                   param="response_format")
+
+
+def _call(kind: str, req: _Request, prompt: Prompt, options: dict, logprobs: int | None) -> Call:
+    return Call(kind, req.model, prompt, options, stream=req.stream,
+                include_usage=bool((req.stream_options or {}).get("include_usage")),
+                return_token_ids=req.return_token_ids, logprobs=logprobs,
+                priority=req.priority, deadline_ms=req.deadline_ms)
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """What one call produced, whichever way it ran."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # the engine's: eos, stop, length
+    prompt_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    cached_tokens: int | None = None
+
+    @classmethod
+    def from_record(cls, record: dict, prompt_token_ids: list[int]) -> Result:
+        """From a ``generate(..., logprobs=k)`` value."""
+        return cls(record["text"], list(record["token_ids"]), record["finish_reason"], list(prompt_token_ids),
+                   record["logprobs"], record["top_logprobs"])
+
+
+def usage(results: list[Result]) -> dict:
+    prompt = sum(len(r.prompt_token_ids) for r in results)
+    completion = sum(len(r.token_ids) for r in results)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if all(r.cached_tokens is not None for r in results):
+        out["prompt_tokens_details"] = {"cached_tokens": sum(r.cached_tokens for r in results)}
+    return out
+
+
+def _completion_logprobs(result: Result, k: int, detok) -> dict:
+    texts = [detok([t]) for t in result.token_ids]
+    return {"tokens": texts, "token_logprobs": list(result.logprobs or ()),
+            "top_logprobs": [{detok([t]): lp for t, lp in top.items()} for top in (result.top_logprobs or ())]
+            if k else None,
+            "text_offset": [sum(len(x) for x in texts[:i]) for i in range(len(texts))]}
+
+
+def _chat_logprobs(result: Result, detok) -> dict:
+    content = []
+    for i, (t, lp) in enumerate(zip(result.token_ids, result.logprobs or ())):
+        top = (result.top_logprobs or [{}] * len(result.token_ids))[i]
+        token = detok([t])
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": detok([u]), "logprob": v, "bytes": list(detok([u]).encode())}
+                                         for u, v in top.items()]})
+    return {"content": content}
+
+
+def completion_response(calls: list[Call], results: list[Result], detok) -> dict:
+    choices = []
+    for i, (call, r) in enumerate(zip(calls, results)):
+        choice = {"index": i, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+                  "logprobs": _completion_logprobs(r, call.logprobs, detok) if call.logprobs is not None else None}
+        if call.return_token_ids:
+            choice.update(token_ids=r.token_ids, prompt_token_ids=r.prompt_token_ids)
+        choices.append(choice)
+    first = calls[0]
+    return {"id": f"cmpl-{first.id}", "object": "text_completion", "created": first.created, "model": first.model,
+            "choices": choices, "usage": usage(results)}
+
+
+def chat_response(call: Call, r: Result, detok) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": r.text},
+              "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+              "logprobs": _chat_logprobs(r, detok) if call.logprobs is not None else None}
+    if call.return_token_ids:
+        choice.update(token_ids=r.token_ids, prompt_token_ids=r.prompt_token_ids)
+    return {"id": f"chatcmpl-{call.id}", "object": "chat.completion", "created": call.created, "model": call.model,
+            "choices": [choice], "usage": usage([r])}
+
+
+def chunk(call: Call, delta: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
+    """One server-sent event of a streamed response."""
+    finish = FINISH.get(finish_reason, finish_reason) if finish_reason else None
+    if call.kind == "chat":
+        message: dict = {"role": "assistant", "content": delta or ""} if first else \
+            ({"content": delta} if delta else {})
+        return {"id": f"chatcmpl-{call.id}", "object": "chat.completion.chunk", "created": call.created,
+                "model": call.model, "choices": [{"index": 0, "delta": message, "finish_reason": finish,
+                                                   "logprobs": None}]}
+    return {"id": f"cmpl-{call.id}", "object": "text_completion", "created": call.created, "model": call.model,
+            "choices": [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]}
+
+
+def usage_chunk(call: Call, result: Result) -> dict:
+    body = chunk(call, None)
+    body["choices"] = []
+    body["usage"] = usage([result])
+    return body
+
+
+def embedding_response(model: str, vectors, encoding_format: str = "float") -> dict:
+    def encoded(v):
+        if encoding_format == "base64":  # what the openai client asks for by default
+            return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
+        return [float(x) for x in v]
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+
+
+def models_response(names: list[str]) -> dict:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "daskllm"}
+                                       for n in names]}

@@ -1,0 +1,91 @@
+"""Running the app: uvicorn on 127.0.0.1 by default, in the foreground or in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import uvicorn
+
+from daskllm.serve.app import create_app
+from daskllm.serve.service import Service
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying once it answers (and on which port, when it was given 0)."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]):
+        super().__init__(config)
+        self.on_started = on_started
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            self.on_started()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket (port 0: a free one), so the address is known before serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+def run(service: Service, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+        on_started: Callable[[str], None] = print, log_level: str = "warning") -> None:
+    """Serve until interrupted (SIGINT/SIGTERM), then return: the caller closes its cluster.
+
+    uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default
+    action would then kill the process before the caller's cleanup, orphaning its workers."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sock = bind(host, port)
+    url = base_url(sock)
+    server = _Server(uvicorn.Config(create_app(service, api_key=api_key), log_level=log_level),
+                     lambda: on_started(url))
+    server.run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def serving(client, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+            timeout: float = 60.0, **service_options) -> Iterator[str]:
+    """Serve ``client``'s cluster from a background thread; yields the base URL (``.../v1``).
+
+    ``service_options`` go to :class:`Service` (``consolidate``, ``window``, ``max_batch``,
+    ``pipelines``, ``plan_options``)."""
+    service = Service(client, **service_options)
+    sock = bind(host, port)
+    started = threading.Event()
+    server = _Server(uvicorn.Config(create_app(service, api_key=api_key), log_level="warning"), started.set)
+    failed: list[BaseException] = []
+
+    def run_server():
+        try:
+            server.run(sockets=[sock])
+        except BaseException as exc:  # noqa: BLE001 - reported by the thread that waits for the start
+            failed.append(exc)
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=run_server, name="daskllm-serve", daemon=True)
+    thread.start()
+    try:
+        if not started.wait(timeout):
+            raise TimeoutError(f"the server did not start within {timeout} s")
+        if failed or not server.started:
+            raise RuntimeError(f"the server did not start: {failed[0] if failed else 'it stopped'}")
+        yield base_url(sock)
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()

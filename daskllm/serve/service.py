@@ -1,0 +1,180 @@
+"""What the server does with a request, independent of HTTP: a Dask client's view of serving.
+
+A completion becomes ``daskllm.generate(prompt, model, ..., logprobs=k)`` (the record form
+carries the tokens and finish reason a response needs) and goes through the
+:class:`~daskllm.serve.consolidate.Consolidator` with every other request of its micro-batch;
+a streamed one goes through the :class:`~daskllm.serve.relay.StreamRelay`. Either way the
+prompt is the same token ids a batch run of the same builder would send, so greedy outputs
+equal the batch run's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from daskllm import config
+from daskllm.api import embed, generate
+from daskllm.plan.items import prompt_calls
+from daskllm.prompts import Prompt, Tokens, tokenizer_for, tokens
+from daskllm.retrieval import ShardedIndex
+from daskllm.runtime.view import take_view
+from daskllm.serve.consolidate import Consolidator
+from daskllm.serve.openai_api import APIError, Call, PipelineRequest, Result
+from daskllm.serve.relay import StreamRelay
+
+MODELS_TTL = 5.0  # seconds a view of what the workers hold is reused
+
+
+class Service:
+    """Serving on ``client``'s cluster. ``consolidate``/``window``/``max_batch``: see
+    :class:`Consolidator`; ``pipelines``: serve the reference pipelines (a source checkout's
+    ``pipelines`` package) at ``/v1/pipelines/NAME``."""
+
+    def __init__(self, client, *, consolidate: bool = True, window: float = 0.0, max_batch: int = 256,
+                 pipelines: bool = False, plan_options: dict | None = None):
+        self.client = client
+        self.consolidator = Consolidator(client, enabled=consolidate, window=window, max_batch=max_batch,
+                                         plan_options=plan_options)
+        self.relay: StreamRelay | None = None
+        self.pipelines = _pipeline_registry() if pipelines else {}
+        self._inputs = None  # the pipelines' index and default contexts, made on first use
+        self._inputs_lock = threading.Lock()
+        self._models: tuple[float, dict] = (0.0, {})
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin serving on ``loop`` (the HTTP server's event loop)."""
+        self.relay = StreamRelay(self.client, loop)
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+        self.consolidator.close()
+
+    # --- models -------------------------------------------------------------------------------
+
+    def held(self) -> dict[str, list[str]]:
+        """engine kind -> model names the cluster's workers hold (refreshed every few seconds)."""
+        at, held = self._models
+        if time.monotonic() - at > MODELS_TTL or not held:
+            held = {kind: sorted(models) for kind, models in take_view(self.client).held().items()}
+            self._models = (time.monotonic(), held)
+        return held
+
+    def check_model(self, model: str, kind: str = "llm") -> None:
+        names = self.held().get(kind, [])
+        if model not in names:
+            self._models = (0.0, {})  # a worker may just have joined: look again next time
+            raise APIError(f"The model `{model}` does not exist: this server's workers hold {names or 'none'}"
+                           f" ({kind})", status=404, param="model", code="model_not_found")
+
+    # --- completions --------------------------------------------------------------------------
+
+    def node(self, call: Call):
+        """The daskllm call of a request (a bad option is an APIError naming it)."""
+        try:
+            return generate(_as_sent(call), model=call.model, **call.options, logprobs=call.logprobs or 0)
+        except (ValueError, TypeError) as exc:
+            raise APIError(str(exc)) from None
+
+    @staticmethod
+    def prompt_ids(node) -> list[int]:
+        (call,) = prompt_calls(node)
+        if not call.static:
+            raise APIError("prompt: text that is not valid Unicode", param="prompt")
+        return list(call.parts[0])
+
+    async def complete(self, calls: list[Call]) -> list[Result]:
+        for call in calls:
+            self.check_model(call.model)
+        nodes = [self.node(c) for c in calls]
+        ids = [self.prompt_ids(n) for n in nodes]
+        records = await asyncio.gather(*(self.consolidator.run(n, priority=c.priority, deadline_ms=c.deadline_ms)
+                                         for n, c in zip(nodes, calls)))
+        return [Result.from_record(r, i) for r, i in zip(records, ids)]
+
+    async def stream(self, call: Call) -> AsyncIterator[str | Result]:
+        """Text deltas, then the :class:`Result`."""
+        self.check_model(call.model)
+        node = self.node(call)
+        ids = self.prompt_ids(node)
+        order = self.consolidator.order_key(call.priority, call.deadline_ms, time.monotonic())
+        async for item in self.relay.stream(call.id, call.model, ids, node.params["sampling"], -order):
+            if isinstance(item, dict):
+                yield Result(item["text"], item["token_ids"], item["finish_reason"], item["prompt_token_ids"],
+                             item["logprobs"], item["top_logprobs"], item["cached_tokens"])
+            else:
+                yield item
+
+    def detokenize(self, model: str):
+        tokenizer = tokenizer_for(model).tokenizer
+        return lambda ids: tokenizer.decode(ids)
+
+    # --- embeddings and pipelines -------------------------------------------------------------
+
+    async def embed(self, model: str, texts: list[str]) -> list:
+        self.check_model(model, "embed")
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise APIError("input must be a non-empty string or a list of non-empty strings", param="input")
+        vectors = await self.consolidator.run(embed(list(texts), model=model))
+        return list(vectors)
+
+    async def pipeline(self, name: str, req: PipelineRequest):
+        if name not in self.pipelines:
+            raise APIError(f"no pipeline {name!r}; this server runs {sorted(self.pipelines) or 'none'}"
+                           + ("" if self.pipelines else " (start it with --pipelines, from a source checkout)"),
+                           status=404, param="name")
+        model = req.model or config.get("model")
+        self.check_model(model)
+        inputs = await asyncio.get_running_loop().run_in_executor(None, self._pipeline_inputs, req)
+        try:
+            node = self.pipelines[name](inputs, model=model, max_tokens=req.max_tokens)
+        except (ValueError, TypeError) as exc:
+            raise APIError(f"pipeline {name!r}: {exc}") from None
+        (answer,) = await self.consolidator.run(node, priority=req.priority, deadline_ms=req.deadline_ms)
+        return _plain(answer)
+
+    def _pipeline_inputs(self, req: PipelineRequest):
+        from pipelines.data import Inputs, contexts, passages  # a source checkout's package, not daskllm's
+
+        with self._inputs_lock:
+            if self._inputs is None:
+                index = ShardedIndex.from_texts(self.client, "daskllm-serve-passages", passages())
+                self._inputs = (index, contexts(1)[0])
+        index, default_context = self._inputs
+        return Inputs([req.question], index, [req.contexts or default_context])
+
+
+def _as_sent(call: Call) -> Prompt:
+    """A token-id prompt means those ids. The planner gives a plain prompt the tokenizer's
+    special prefix (BOS), as it does text: ids that already start with it lose their copy."""
+    segments = call.prompt.segments
+    if len(segments) == 1 and isinstance(segments[0], Tokens):
+        prefix = tokenizer_for(call.model).prefix_ids
+        ids = segments[0].ids
+        if prefix and ids[:len(prefix)] == prefix:
+            return tokens(ids[len(prefix):], call.model)
+    return call.prompt
+
+
+def _pipeline_registry() -> dict:
+    try:
+        registry = importlib.import_module("pipelines").registry
+    except ImportError as exc:
+        raise RuntimeError("--pipelines needs the reference pipelines (`pipelines/` of a daskllm source "
+                           f"checkout) importable: {exc}") from None
+    return registry()
+
+
+def _plain(value):
+    """A pipeline's answer as JSON: lists and dicts as they are, anything else as text."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)

@@ -1,0 +1,251 @@
+"""`daskllm serve`: the OpenAI API over a real cluster, answered with the batch run's tokens.
+
+Every test talks HTTP to a real uvicorn server on 127.0.0.1 (in a thread of this process, or
+the `daskllm serve` command in a subprocess) with the official `openai` client, `litellm` or
+httpx; none waits without a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+import daskllm
+from daskllm.engines import SamplingParams
+from daskllm.serve import Service, serving
+from daskllm.serve.openai_api import Call
+from daskllm.serve.relay import StreamRelay
+
+pytestmark = pytest.mark.slow
+
+DEADLINE = 120  # seconds any one request may take here
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "import numpy as"]
+MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is Dask?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(llm_cluster):
+    with llm_cluster(models=["tiny"], embedders=["all-MiniLM-L6-v2"], n_workers=2, threads_per_worker=8) as client:
+        daskllm.worker.resident_models(client)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def url(cluster):
+    with serving(cluster, timeout=DEADLINE) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url, api_key="unused", timeout=DEADLINE, max_retries=0)
+
+
+def batch(prompts, **options):
+    """The same calls as one batch run (no server)."""
+    return daskllm.generate(list(prompts), model="tiny", **options).compute()
+
+
+def test_completions_return_the_batch_run_s_tokens(client, cluster):
+    expected = batch(PROMPTS, max_tokens=12)
+    records = batch(PROMPTS, max_tokens=12, logprobs=0)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent clients
+        answers = list(pool.map(lambda p: client.completions.create(
+            model="tiny", prompt=p, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}), PROMPTS))
+    for answer, text, record in zip(answers, expected, records):
+        choice = answer.choices[0]
+        assert choice.text == text
+        assert choice.model_extra["token_ids"] == record["token_ids"]
+        assert answer.usage.completion_tokens == len(record["token_ids"])
+        assert choice.finish_reason == ("length" if len(record["token_ids"]) == 12 else "stop")
+    # Several prompts in one request: one choice each, in order.
+    many = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == expected
+
+
+def test_token_id_prompts_and_stop_strings(client, cluster):
+    ids = daskllm.prompts.tokenizer_for("tiny").encode(PROMPTS[0], True)
+    by_ids = client.completions.create(model="tiny", prompt=list(ids), max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == batch(PROMPTS[:1], max_tokens=8)[0]
+    text = by_ids.choices[0].text
+    stop = text[len(text) // 2:][:3] if len(text) > 4 else None
+    if stop and stop.strip():
+        stopped = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, stop=[stop])
+        assert stopped.choices[0].text == batch(PROMPTS[:1], max_tokens=8, stop=[stop])[0]
+        assert stop not in stopped.choices[0].text
+
+
+def test_chat_streamed_and_whole_equal_the_batch_run(client, cluster):
+    expected = daskllm.generate(daskllm.chat(MESSAGES), model="tiny", max_tokens=16).compute()
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.content == expected
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1  # it really streamed
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_streamed_completion_matches_transformers_generate(client, tiny_model_dir):
+    """The whole prompt string through transformers' own generate gives the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    prompt = PROMPTS[2]
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    expected = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+
+
+def test_litellm_talks_to_it(url, cluster):
+    litellm = pytest.importorskip("litellm")
+    expected = daskllm.generate(daskllm.chat(MESSAGES), model="tiny", max_tokens=10).compute()
+    common = dict(model="openai/tiny", api_base=url, api_key="unused", messages=MESSAGES, max_tokens=10,
+                  temperature=0, timeout=DEADLINE)
+    assert litellm.completion(**common).choices[0].message.content == expected
+    streamed = litellm.completion(**common, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+
+
+def test_embeddings_equal_daskllm_embed(client, cluster):
+    texts = ["How do I read a CSV file?", "Parse JSON in Python"]
+    expected = daskllm.embed(texts, model="all-MiniLM-L6-v2").compute()
+    got = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    assert [len(d.embedding) for d in got.data] == [384, 384]
+    for d, e in zip(got.data, expected):
+        assert d.embedding == pytest.approx(list(map(float, e)), abs=1e-6)
+
+
+def test_models_lists_what_the_workers_hold(client):
+    assert {m.id for m in client.models.list()} == {"tiny", "all-MiniLM-L6-v2"}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, None),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, None),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": -3}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x " * 5000, "max_tokens": 4}, 400, None),  # longer than tiny holds
+])
+def test_bad_requests_get_openai_error_bodies(url, body, status, param):
+    reply = httpx.post(f"{url}/completions", json=body, timeout=DEADLINE)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["message"] and error["type"]
+    if param:
+        assert error["param"] == param and param in error["message"]
+
+
+def test_a_bad_request_in_a_batch_fails_alone(url, client):
+    """A prompt too long for the model, among good ones arriving together: only it fails."""
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0} for p in PROMPTS]
+    bodies.insert(1, {"model": "tiny", "prompt": "x " * 5000, "max_tokens": 6})
+
+    async def send():
+        async with httpx.AsyncClient(timeout=DEADLINE) as http:
+            return await asyncio.gather(*(http.post(f"{url}/completions", json=b) for b in bodies))
+
+    replies = asyncio.run(send())
+    assert [r.status_code for r in replies] == [200, 400, 200, 200, 200]
+    assert "tokens" in replies[1].json()["error"]["message"]
+    assert [r.json()["choices"][0]["text"] for r in replies if r.status_code == 200] == batch(PROMPTS, max_tokens=6)
+
+
+def test_requests_arriving_together_are_planned_together(cluster):
+    """Eight requests (four distinct prompts) within one window: one plan, each distinct call run once."""
+    service = Service(cluster, window=0.5)
+
+    async def run():
+        service.start(asyncio.get_running_loop())
+        calls = [Call("completion", "tiny", daskllm.prompts.as_prompt(p), {"max_tokens": 6}) for p in PROMPTS * 2]
+        with daskllm.usage() as usage:
+            results = await asyncio.wait_for(service.complete(calls), DEADLINE)
+        return results, usage
+
+    try:
+        results, usage = asyncio.run(run())
+    finally:
+        service.close()
+    assert [r.text for r in results] == batch(PROMPTS, max_tokens=6) * 2
+    assert service.consolidator.stats.as_dict()["batches"] == 1
+    assert service.consolidator.stats.largest_batch == 8
+    assert usage.executed["generate"] == 4, usage
+
+
+def test_api_key_and_clean_shutdown_of_the_command(daskllm_cache, tmp_path):
+    """`daskllm serve` in a subprocess: needs its key, and SIGTERM stops it (and its cluster) cleanly."""
+    proc = subprocess.Popen([sys.executable, "-m", "daskllm.cli", "serve", "--model", "tiny", "--workers", "1",
+                             "--port", "0", "--api-key", "s3cret", "--dashboard-address", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            line = pool.submit(_listening_line, proc).result(timeout=240)
+        base = line.rsplit(" ", 1)[-1]
+        assert base.startswith("http://127.0.0.1:")
+        denied = httpx.get(f"{base}/models", timeout=DEADLINE)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        allowed = openai.OpenAI(base_url=base, api_key="s3cret", timeout=DEADLINE, max_retries=0)
+        assert "tiny" in [m.id for m in allowed.models.list()]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def _listening_line(proc) -> str:
+    for line in proc.stdout:
+        if "listening on" in line:
+            return line.strip()
+    raise AssertionError(f"daskllm serve exited ({proc.wait()}) without listening")
+
+
+def test_relay_skips_text_a_rerun_repeats():
+    """A rerun's events (from offset 0 again) forward only text the reader has not had."""
+    relay = StreamRelay.__new__(StreamRelay)
+    relay._readers = {}
+
+    async def run():
+        reader: asyncio.Queue = asyncio.Queue()
+        relay._readers["r"] = reader
+        for msg in ({"id": "r", "at": 0, "delta": "Hello"}, {"id": "r", "at": 0, "delta": "Hel"},
+                    {"id": "r", "at": 0, "delta": "Hello, w"}, {"id": "x", "at": 0, "delta": "other"}):
+            relay._route(msg)
+        return [reader.get_nowait() for _ in range(reader.qsize())]
+
+    msgs = asyncio.run(run())
+    have, out = 0, []
+    for m in msgs:
+        if m["at"] <= have < m["at"] + len(m["delta"]):
+            out.append(m["delta"][have - m["at"]:])
+            have = m["at"] + len(m["delta"])
+    assert "".join(out) == "Hello, w" and len(msgs) == 3
+
+
+def test_sampling_of_a_served_request_is_the_builder_s(cluster):
+    service = Service(cluster)
+    call = Call("completion", "tiny", daskllm.prompts.as_prompt("x"), {"max_tokens": 5, "temperature": 0.5,
+                                                                       "seed": 3, "stop": ["\n"]})
+    assert service.node(call).params["sampling"] == SamplingParams(max_tokens=5, temperature=0.5, seed=3,
+                                                                   stop=("\n",), logprobs=0)
