@@ -9,9 +9,10 @@ makes sense:
 ``--daskllm-embedder NAME_OR_DIR``  an embedding model (e.g. all-MiniLM-L6-v2)
 ``--daskllm-reranker NAME_OR_DIR``  a reranker: a cross-encoder directory, or an embedding
                                    model for a bi-encoder (sharing the embedder's weights)
-``--daskllm-backend torch|vllm|auto``  the engine backend for those models (default:
+``--daskllm-backend torch|vllm|auto|openai``  the engine backend for those models (default:
                                    ``daskllm.engine.backend``, torch); auto = vLLM if this
-                                   worker has a CUDA GPU and vllm imports
+                                   worker has a CUDA GPU and vllm imports; openai = an
+                                   OpenAI-compatible endpoint (``--daskllm-option base_url=...``)
 ``--daskllm-option KEY=VALUE``    an engine option, e.g. ``kv_cache_tokens=8192``
 ``--daskllm-threads N``           torch threads for the engine (default: all cores)
 
@@ -31,7 +32,7 @@ import ast
 
 import click
 
-from daskllm.engines import EngineSpec
+from daskllm.engines import BACKENDS, EngineSpec
 from daskllm.worker import PLUGIN_NAME, EngineHost
 
 
@@ -50,7 +51,7 @@ def _parse_option(text: str) -> tuple[str, object]:
               help="LLM to keep resident: recipe name or local HF directory (repeatable).")
 @click.option("--daskllm-embedder", "embedders", multiple=True, help="Embedding model to keep resident (repeatable).")
 @click.option("--daskllm-reranker", "rerankers", multiple=True, help="Reranker to keep resident (repeatable).")
-@click.option("--daskllm-backend", "backend", default=None, type=click.Choice(["torch", "vllm", "auto"]),
+@click.option("--daskllm-backend", "backend", default=None, type=click.Choice(BACKENDS),
               help="Engine backend (default: daskllm.engine.backend).")
 @click.option("--daskllm-option", "options", multiple=True, help="Engine option KEY=VALUE (repeatable).")
 @click.option("--daskllm-threads", "threads", type=int, default=None, help="torch threads for the engine.")

@@ -3,8 +3,9 @@
 An :class:`EngineSpec` says which model a worker should keep resident and on which
 backend; ``spec.load()`` builds the engine. Backends import lazily: vLLM only when a
 vLLM engine is asked for. The backend is ``torch``, ``vllm``, or ``auto`` (vLLM where the
-loading process has a CUDA GPU and vllm imports, torch elsewhere); a spec that names none
-takes ``daskllm.engine.backend`` from the config of the process that loads it.
+loading process has a CUDA GPU and vllm imports, torch elsewhere) or ``openai`` (an
+OpenAI-compatible endpoint serves the model; only its tokenizer is loaded here); a spec that
+names none takes ``daskllm.engine.backend`` from the config of the process that loads it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from daskllm.engines.protocol import (
 )
 from daskllm.models import model_name
 
-BACKENDS = ("torch", "vllm", "auto")
+BACKENDS = ("torch", "vllm", "auto", "openai")
 KINDS = ("llm", "embed", "rerank")
 
 
@@ -37,7 +38,7 @@ class EngineSpec:
 
     model: str
     name: str | None = None  # what tasks call it; default: the recipe name or directory name
-    backend: str | None = None  # torch, vllm, auto; None: daskllm.engine.backend
+    backend: str | None = None  # torch, vllm, auto, openai; None: daskllm.engine.backend
     kind: str = "llm"  # llm (generate/prefill), embed, or rerank
     options: Mapping[str, Any] = field(default_factory=dict)  # passed to the engine constructor
 
@@ -66,12 +67,13 @@ class EngineSpec:
                backend: str | None = None, llm_options: Mapping | None = None) -> list[EngineSpec]:
         """Specs for the models, embedders and rerankers a worker keeps resident (names, dicts or
         specs); ``backend`` applies to specs that name none, ``llm_options`` to every LLM spec's
-        options that it does not set itself."""
+        options that it does not set itself. ``openai`` applies to LLMs only: embedders and
+        rerankers stay on the configured local backend."""
         specs = ([cls.parse(m, "llm") for m in models] + [cls.parse(m, "embed") for m in embedders]
                  + [cls.parse(m, "rerank") for m in rerankers])
         out = []
         for spec in specs:
-            if backend is not None and spec.backend is None:
+            if backend is not None and spec.backend is None and (backend != "openai" or spec.kind == "llm"):
                 spec = dataclasses.replace(spec, backend=backend)
             if llm_options and spec.kind == "llm":
                 spec = dataclasses.replace(spec, options={**llm_options, **spec.options})
@@ -100,6 +102,15 @@ class EngineSpec:
         client, a scheduler or a CPU worker must not load what it never runs."""
         options = {**defaults, **self.options}
         backend = self.resolved_backend()
+        if backend == "openai":
+            if self.kind != "llm":
+                raise ValueError(f"the openai backend serves LLMs, not {self.kind} models ({self.model!r})")
+            from daskllm.engines.remote import RemoteEngine
+
+            # A worker's defaults (torch threads, cache sizes) are for local engines: only those
+            # a remote engine takes apply; its own options must all be its own.
+            options = {**{k: v for k, v in defaults.items() if k in RemoteEngine.OPTIONS}, **self.options}
+            return RemoteEngine(self.model, name=self.engine_name, **options)
         if backend == "vllm":
             options.pop("num_threads", None)  # CPU threads: not a vLLM setting
         if self.kind != "llm" and backend == "vllm":
