@@ -22,6 +22,7 @@ from distributed.deploy.cluster import Cluster
 
 from daskllm import config
 
+from daskllm.adaptive import AdaptiveTarget
 from daskllm.dashboard import DashboardPlugin
 from daskllm.engines import EngineSpec
 from daskllm.models import DEFAULT_EMBEDDING_MODEL, resolve
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 # The dashboard (Dask's pages and ours) has no authentication: by default only this machine
 # reaches it. Dask's own default, ":8787", listens on every interface.
 DASHBOARD_ADDRESS = "127.0.0.1:8787"
+
+# Dask starts workers with MALLOC_TRIM_THRESHOLD_=65536, which makes torch's many short-lived
+# buffers slow (measured: prefill and embedding 30-50% slower). A nanny reads this when it is
+# created: at start-up, and for every worker scale() or adapt() adds later.
+NO_MALLOC_TRIM = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
 
 
 def discover_gpus() -> list[str]:
@@ -62,7 +68,8 @@ class LocalLLMCluster(LocalCluster):
     dicts or :class:`~daskllm.engines.EngineSpec` objects. By default every worker also holds
     the MiniLM embedder and a bi-encoder reranker sharing its weights. The scheduler runs the
     :class:`~daskllm.placement.PlacementPlugin` with ``placement`` (a policy name; default
-    from ``daskllm.placement.policy``), the :class:`~daskllm.streaming.StreamJanitor` and the
+    from ``daskllm.placement.policy``), the :class:`~daskllm.streaming.StreamJanitor`, the
+    :class:`~daskllm.adaptive.AdaptiveTarget` (``cluster.adapt()`` sees engine work) and the
     dashboard's LLM page (:class:`~daskllm.dashboard.DashboardPlugin`); the dashboard listens on
     ``127.0.0.1:8787`` unless ``dashboard_address`` says otherwise (it has no authentication), and
     the scheduler on 127.0.0.1 unless ``host`` does (LocalCluster's default). Every model is
@@ -111,17 +118,18 @@ class LocalLLMCluster(LocalCluster):
         # Start with no workers, then scale: LocalCluster's own start-up bypasses
         # new_worker_spec, which is where each GPU worker gets its device.
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
-        scheduler_kwargs.setdefault("plugins", [StreamJanitor(), DashboardPlugin()]
+        scheduler_kwargs.setdefault("plugins", [StreamJanitor(), DashboardPlugin(), AdaptiveTarget()]
                                     + ([PlacementPlugin(placement)] if placement != "off" else []))
-        # Dask starts workers with MALLOC_TRIM_THRESHOLD_=65536, which makes torch's many
-        # short-lived buffers slow (measured: prefill and embedding 30-50% slower).
-        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
-            super().__init__(n_workers=0, threads_per_worker=threads_per_worker,
-                             scheduler_kwargs=scheduler_kwargs, plugins={EngineHost(self.engine_specs, **defaults)},
-                             **kwargs)
-            self.scale(n_workers)
-            if not self.asynchronous:
-                self.sync(self._correct_state)
+        super().__init__(n_workers=0, threads_per_worker=threads_per_worker,
+                         scheduler_kwargs=scheduler_kwargs, plugins={EngineHost(self.engine_specs, **defaults)},
+                         **kwargs)
+        self.scale(n_workers)
+        if not self.asynchronous:
+            self.sync(self._correct_state)
+
+    async def _correct_state_internal(self) -> None:
+        with dask.config.set(NO_MALLOC_TRIM):  # where SpecCluster creates nannies
+            await super()._correct_state_internal()
 
     def new_worker_spec(self):
         if not self.gpus:
@@ -143,18 +151,25 @@ class LocalLLMCluster(LocalCluster):
         whose name is absent ``lost-worker-timeout`` after any removal, even while the nanny
         is restarting a later incarnation (a worker killed again soon after it came back); and
         a nanny that gave up is never replaced. Here a slot is replaced only if its nanny no
-        longer runs a worker process, and then a fresh one takes its place."""
+        longer runs a worker process, and then a fresh one takes its place; the slot of a worker
+        retired on purpose (``client.retire_workers``) goes, as with ``scale_down``."""
         if op != "remove" or not self.processes:
             return super()._update_worker_status(op, msg)
         name = self.scheduler_info["workers"].get(msg, {}).get("name")
         delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
-        asyncio.get_running_loop().call_later(delay, self._replace_if_given_up, name)
+        asyncio.get_running_loop().call_later(delay, self._replace_if_given_up, name, msg)
         Cluster._update_worker_status(self, op, msg)
 
-    def _replace_if_given_up(self, name) -> None:
+    def _replace_if_given_up(self, name, address: str) -> None:
         nanny = self.workers.get(name)
         if self.status != Status.running or nanny is None or name not in self.worker_spec:
             return  # closing, or scaled down on purpose
+        # Drained by the scheduler (its nanny closes too): not a loss to make good. The
+        # scheduler runs in this process, and records the retirement as an event.
+        if any(event.get("action") == "retired" for _, event in self.scheduler.get_events(address)):
+            del self.worker_spec[name]
+            self._futures.add(asyncio.ensure_future(self._correct_state()))
+            return
         process = getattr(nanny, "process", None)
         if nanny.status == Status.running and process is not None and process.status in (Status.starting, Status.running):
             return  # restarting, or back
