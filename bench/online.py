@@ -1,27 +1,39 @@
-"""Online serving: queries arriving as a Poisson stream, each submitted the moment it arrives.
+"""Online serving: workflow requests arriving as a Poisson stream, at rising rates.
 
-    python bench/online.py --pipeline w2 --rates 0.5,1,2,4 --json online.json
+    python bench/online.py --pipeline w2 --model tiny --rates 2,4,8,16,32 --queries 64 \\
+        --json docs/bench/online.json --plot docs/bench/online.png
 
-Each query of ``--pipeline`` is built alone and submitted (``client.compute``) at its arrival
-time, drawn from a Poisson process of the given rate (seeded, the same arrivals for every
-system). Latency is completion minus arrival, so time spent planning a query, or waiting
-behind others, counts. Systems: ``daskllm`` (everything on; the result cache off so repeated
-runs never reuse answers) and ``dask`` (no rewrites, a task per call, placement off), on the
-same cluster, from cold caches, alternating by rate. Reported per rate: median and p90
-latency; then, per system, the highest rate whose median latency stays under ``--target``
-seconds (default: twice the median latency of ``dask`` at the lowest rate), and their ratio
-(Halo reports 4.7x over vLLM, Harmonia 2.04x). Outputs must equal across systems.
+Each query of ``--pipeline`` is built the moment it arrives (a seeded Poisson process: the
+same arrivals for every system) and handed to the server's request path
+(:class:`daskllm.serve.consolidate.Consolidator`, what ``daskllm serve`` runs for every
+request; HTTP is left out, as it costs every system the same). Latency is completion minus
+arrival, so building, planning, queueing and computing all count. Systems, on one cluster,
+from cold caches, alternating their order by rate:
+
+- ``daskllm``: requests consolidated into joint plans (CSE, shared prefixes, batching and
+  cache-aware placement across requests), most urgent deadline first;
+- ``solo``: the same, but each request planned and submitted alone (consolidation off);
+- ``dask``: plain Dask per-request tasks: no rewrites, a task per call, placement off
+  (``pipelines.ops.NAIVE``), each request submitted alone.
+
+Per rate: p50 and p99 latency, SLO attainment (share of requests within their deadline) and
+goodput (requests within their deadline per second). Per system: the highest rate whose p99
+stays under ``--target`` (default: twice the p99 of ``dask`` at the lowest rate), and the ratio
+to ``dask``'s. A system whose p99 passes 4x the target is not run at higher rates.
+
+``--slo-mix``: every other request is interactive (deadline = target) and the rest are batch
+(deadline = 4 x target); adds ``fcfs``, daskllm with the deadlines withheld (first come, first
+served), to show what deadline ordering buys. Outputs must be equal across systems.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import pathlib
 import random
-import statistics
 import sys
-import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -29,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from machine import log, machine_info  # noqa: E402
 
-SETTINGS = {"daskllm": {"result_cache": False}, "dask": None}  # dask: pipelines.ops.NAIVE
+SYSTEMS = ("daskllm", "solo", "dask")
 
 
 def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -40,53 +52,69 @@ def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
-def run_stream(client, fn, inputs, config: dict, system: str, times: list[float]) -> dict:
-    from daskllm.runtime.submit import overrides
-    from daskllm.runtime.submit import plan_and_submit
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def consolidator(client, system: str, window: float = 0.0):
     from daskllm.placement import set_policy
+    from daskllm.serve.consolidate import Consolidator
+    from pipelines.ops import NAIVE
+
+    set_policy(client, "off" if system == "dask" else "cache_aware")
+    plan = dict(NAIVE) if system == "dask" else {"result_cache": False}
+    return Consolidator(client, enabled=system in ("daskllm", "fcfs"), window=window, plan_options=plan)
+
+
+def run_stream(client, fn, inputs, config: dict, system: str, times: list[float], deadlines: list[float],
+               window: float = 0.0) -> dict:
+    """Send the queries at their arrival times; each one's latency and whether it met its deadline."""
     from daskllm.runtime.control import cold_start
-    from pipelines.ops import NAIVE, plain
+    from pipelines.ops import plain
 
     cold_start(client)
-    set_policy(client, "cache_aware" if system == "daskllm" else "off")
-    settings = SETTINGS[system] or NAIVE
-    done: dict[int, float] = {}
-    outputs: dict[int, object] = {}
-    finished = threading.Event()
-    futures = []
-    start = time.perf_counter()
+    server = consolidator(client, system, window)
+    withhold = system == "fcfs"
 
-    def record(i):
-        def callback(future):
-            done[i] = time.perf_counter() - start
-            if len(done) == len(times):
-                finished.set()
-        return callback
+    async def one(i: int, start: float):
+        await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
+        arrived = time.perf_counter()
+        node = fn(inputs.subset(i, i + 1), **config)
+        value = await server.run(node, deadline_ms=None if withhold else deadlines[i] * 1000)
+        return time.perf_counter() - arrived, plain(value)
 
-    for i, at in enumerate(times):
-        time.sleep(max(0.0, at - (time.perf_counter() - start)))
-        with overrides(dict(settings)):
-            [future] = plan_and_submit([fn(inputs.subset(i, i + 1), **config)], client).futures
-        future.add_done_callback(record(i))
-        futures.append(future)
-    finished.wait(timeout=1800)
-    for i, f in enumerate(futures):
-        outputs[i] = plain(f.result())
-    latencies = [done[i] - times[i] for i in range(len(times))]
-    return {"median": statistics.median(latencies), "p90": sorted(latencies)[int(0.9 * (len(latencies) - 1))],
-            "latencies": latencies, "outputs": [outputs[i] for i in range(len(times))]}
+    async def main():
+        start = time.perf_counter()
+        done = await asyncio.wait_for(asyncio.gather(*(one(i, start) for i in range(len(times)))), 3600)
+        return done, time.perf_counter() - start
+
+    try:
+        done, wall = asyncio.run(main())
+    finally:
+        server.close()
+    latencies = [d[0] for d in done]
+    met = [lat <= deadlines[i] for i, lat in enumerate(latencies)]
+    return {"p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99),
+            "attainment": sum(met) / len(met), "goodput": sum(met) / wall, "wall": wall,
+            "batches": server.stats.as_dict(), "latencies": latencies, "outputs": [d[1] for d in done]}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipeline", default="w2")
-    parser.add_argument("--rates", default="0.5,1,2,4", help="queries per second, ascending")
-    parser.add_argument("--queries", type=int, default=12, help="queries per run")
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--rates", default="2,4,8,16,32", help="queries per second, ascending")
+    parser.add_argument("--queries", type=int, default=64, help="queries per run")
+    parser.add_argument("--model", default="tiny")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--target", type=float, default=None, help="median-latency target, seconds")
+    parser.add_argument("--target", type=float, default=None, help="p99 latency target, seconds")
+    parser.add_argument("--slo-mix", action="store_true", help="half interactive, half batch deadlines; adds fcfs")
+    parser.add_argument("--systems", default=None, help=f"comma-separated subset of {SYSTEMS} (+ fcfs)")
+    parser.add_argument("--window", type=float, default=100.0,
+                        help="consolidation window, ms (daskllm serve --window): how long a micro-batch may wait")
     parser.add_argument("--json")
+    parser.add_argument("--plot", help="write a latency-vs-rate plot (PNG) here")
     args = parser.parse_args(argv)
 
     from distributed import Client
@@ -98,37 +126,82 @@ def main(argv=None) -> int:
     fn = registry()[args.pipeline]
     config = {"model": args.model, "max_tokens": args.max_tokens}
     rates = [float(r) for r in args.rates.split(",")]
-    results: dict[str, dict[float, dict]] = {"daskllm": {}, "dask": {}}
+    systems = args.systems.split(",") if args.systems else list(SYSTEMS) + (["fcfs"] if args.slo_mix else [])
+    results: dict[str, dict[float, dict]] = {s: {} for s in systems}
+    target = args.target
     with daskllm.LocalLLMCluster(models=[args.model], n_workers=args.workers, threads_per_worker=16,
                                  dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         inputs = make_inputs(client, args.queries)
-        daskllm.compute(fn(inputs.subset(0, 2), **config))  # warm-up
+        daskllm.compute(fn(inputs.subset(0, 2), **config))  # warm-up: engines, tokenizers, code paths
+        stopped: set[str] = set()
         for k, rate in enumerate(rates):
             times = arrivals(args.queries, rate, seed=k)
-            for system in (("daskllm", "dask") if k % 2 == 0 else ("dask", "daskllm")):
-                r = run_stream(client, fn, inputs, config, system, times)
+            order = systems if k % 2 == 0 else systems[::-1]
+            if target is None:  # from dask's p99 at the lowest rate, measured first
+                order = ["dask"] + [s for s in order if s != "dask"]
+            for system in order:
+                if system in stopped:
+                    continue
+                scale = [1.0 if not args.slo_mix or i % 2 == 0 else 4.0 for i in range(args.queries)]
+                deadlines = [(target or 3600.0) * s for s in scale]
+                r = run_stream(client, fn, inputs, config, system, times, deadlines, args.window / 1000)
+                if target is None and system == "dask":
+                    target = 2 * r["p99"]
+                    deadlines = [target * s for s in scale]
+                    r["attainment"] = sum(lat <= d for lat, d in zip(r["latencies"], deadlines)) / len(deadlines)
+                    r["goodput"] = r["attainment"] * len(deadlines) / r["wall"]
                 results[system][rate] = r
-                log(f"rate {rate:5.2f}/s {system:8s} median {r['median']:6.2f} s  p90 {r['p90']:6.2f} s")
-    exact = all(results["daskllm"][r]["outputs"] == results["dask"][r]["outputs"] for r in rates)
-    target = args.target or 2 * results["dask"][rates[0]]["median"]
-    best = {s: max([r for r in rates if results[s][r]["median"] <= target], default=None) for s in results}
-    print(f"{args.pipeline}, model {args.model}, {args.workers} workers, {args.queries} queries per rate; "
-          f"target median latency {target:.2f} s\n")
-    print("| rate (queries/s) | daskllm median / p90 s | dask median / p90 s | dask / daskllm median |\n|---|---|---|---|")
+                log(f"rate {rate:5.1f}/s {system:8s} p50 {r['p50']:6.2f} s  p99 {r['p99']:6.2f} s  "
+                    f"attainment {r['attainment']:5.0%}  goodput {r['goodput']:5.2f}/s  "
+                    f"mean batch {r['batches']['mean_batch']:.1f}")
+                if r["p99"] > 4 * target:
+                    stopped.add(system)
+    ran = [r for r in rates if all(r in results[s] for s in systems)]
+    exact = all(results[s][r]["outputs"] == results[systems[0]][r]["outputs"] for s in systems for r in ran)
+    best = {s: max([r for r, x in results[s].items() if x["p99"] <= target], default=None) for s in systems}
+    print(f"{args.pipeline}, model {args.model}, {args.workers} workers, {args.queries} queries per rate"
+          f"{', half interactive / half batch deadlines' if args.slo_mix else ''}; p99 target {target:.2f} s\n")
+    print("| rate (queries/s) | " + " | ".join(f"{s} p50 / p99 s, SLO, goodput/s" for s in systems)
+          + " |\n|---|" + "---|" * len(systems))
     for r in rates:
-        a, b = results["daskllm"][r], results["dask"][r]
-        print(f"| {r:g} | {a['median']:.2f} / {a['p90']:.2f} | {b['median']:.2f} / {b['p90']:.2f} | "
-              f"{b['median'] / a['median']:.2f}x |")
-    ratio = (best["daskllm"] / best["dask"]) if best["daskllm"] and best["dask"] else None
-    print(f"\nhighest rate under target: daskllm {best['daskllm']}, dask {best['dask']}"
-          + (f" ({ratio:.2f}x)" if ratio else "") + f"; exact: {exact}")
+        cells = [(f"{x['p50']:.2f} / {x['p99']:.2f}, {x['attainment']:.0%}, {x['goodput']:.1f}"
+                  if (x := results[s].get(r)) else "overloaded (not run)") for s in systems]
+        print(f"| {r:g} | " + " | ".join(cells) + " |")
+    ratio = {s: best[s] / best["dask"] for s in systems if best.get(s) and best.get("dask")}
+    print("\nhighest rate with p99 under target: " + ", ".join(f"{s} {best[s]}" for s in systems)
+          + "; vs dask: " + ", ".join(f"{s} {v:.2f}x" for s, v in ratio.items()) + f"; exact: {exact}")
+    if args.plot:
+        plot(results, target, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": {s: {str(r): {k: v for k, v in x.items() if k != "outputs"} for r, x in d.items()}
                                    for s, d in results.items()},
-                       "target": target, "best_rate": best, "ratio": ratio, "exact": exact, "args": vars(args),
-                       "machine": machine_info(), "command": " ".join(sys.argv)}, f, indent=2, default=str)
+                       "target": target, "best_rate": best, "ratio_vs_dask": ratio, "exact": exact,
+                       "args": vars(args), "machine": machine_info(), "command": " ".join(sys.argv)},
+                      f, indent=2, default=str)
     return 0 if exact else 1
+
+
+def plot(results: dict, target: float, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system, by_rate in results.items():
+        rates = sorted(by_rate)
+        ax.plot(rates, [by_rate[r]["p99"] for r in rates], marker="o", label=f"{system} p99")
+        ax.plot(rates, [by_rate[r]["p50"] for r in rates], linestyle=":", color=ax.lines[-1].get_color())
+    ax.axhline(target, color="grey", linestyle="--", label=f"p99 target {target:.2f} s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival rate (queries/s)")
+    ax.set_ylabel("latency, s (solid p99, dotted p50)")
+    ax.set_title(f"{args.pipeline} on {args.model}, {args.workers} workers")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
 
 
 if __name__ == "__main__":

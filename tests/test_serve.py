@@ -74,6 +74,10 @@ def test_token_id_prompts_and_stop_strings(client, cluster):
     ids = daskllm.prompts.tokenizer_for("tiny").encode(PROMPTS[0], True)
     by_ids = client.completions.create(model="tiny", prompt=list(ids), max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == batch(PROMPTS[:1], max_tokens=8)[0]
+    # Token ids are the prompt exactly as sent: no special token is added in front.
+    bare = client.completions.create(model="tiny", prompt=list(ids[1:]), max_tokens=2, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    assert bare.choices[0].model_extra["prompt_token_ids"] == list(ids[1:])
     text = by_ids.choices[0].text
     stop = text[len(text) // 2:][:3] if len(text) > 4 else None
     if stop and stop.strip():
@@ -172,7 +176,9 @@ def test_a_bad_request_in_a_batch_fails_alone(url, client):
 
 
 def test_requests_arriving_together_are_planned_together(cluster):
-    """Eight requests (four distinct prompts) within one window: one plan, each distinct call run once."""
+    """Eight requests (four distinct prompts) at once: the first goes alone (the cluster is idle),
+    the others that arrive while it is planned go together, and a request equal to one pending
+    or running shares its value: four plans' worth of calls, each run once."""
     service = Service(cluster, window=0.5)
 
     async def run():
@@ -187,8 +193,9 @@ def test_requests_arriving_together_are_planned_together(cluster):
     finally:
         service.close()
     assert [r.text for r in results] == batch(PROMPTS, max_tokens=6) * 2
-    assert service.consolidator.stats.as_dict()["batches"] == 1
-    assert service.consolidator.stats.largest_batch == 8
+    assert service.consolidator.stats.as_dict()["batches"] == 2
+    assert service.consolidator.stats.requests == 4  # the four repeats shared the first four's values
+    assert service.consolidator.stats.largest_batch == 3
     assert usage.executed["generate"] == 4, usage
 
 

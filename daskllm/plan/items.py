@@ -30,7 +30,7 @@ class PromptCall:
     A prompt whose text cannot be tokenized keeps its text parts and knows no ids: it fails as
     its own call when its task tokenizes it.
     ``special``: the tokenizer adds its special tokens (a plain prompt; a rendered chat
-    template carries its own). ``known``: the ids certain to begin the prompt (all of them
+    template carries its own, and a prompt of token ids alone is exactly those ids). ``known``: the ids certain to begin the prompt (all of them
     when it is static): what prefix sharing and placement see before it runs.
     """
 
@@ -89,7 +89,9 @@ def prompt_calls(node: Node) -> list[PromptCall]:
     segments = node.template
     if node.chat is not None:
         segments = render_chat(_chat_prompt(node), tok.tokenizer)
-    special = node.chat is None
+    # A prompt given entirely as token ids is those ids (as engine.generate(ids) takes them);
+    # text, or text mixed with ids, gets the tokenizer's special tokens as tokenizer(text) does.
+    special = node.chat is None and not all(isinstance(s, Tokens) for s in segments)
     return [_prompt_call(tok, node, segments, special, i) for i in range(node.n)]
 
 

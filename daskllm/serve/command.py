@@ -27,8 +27,9 @@ from daskllm.worker import resident_models
 @click.option("--scheduler", default=None, help="Join this Dask scheduler instead of starting a local cluster.")
 @click.option("--api-key", envvar="DASKLLM_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (default: $DASKLLM_API_KEY; none: open).")
-@click.option("--window", default=0.0, show_default=True,
-              help="Milliseconds a micro-batch may wait for more requests while the previous one is planned.")
+@click.option("--window", default=100.0, show_default=True,
+              help="Most milliseconds a micro-batch waits for more requests while earlier ones run (it waits a "
+                   "tenth of the recent request latency, up to this; never when the cluster is idle).")
 @click.option("--max-batch", default=256, show_default=True, help="Most requests planned together.")
 @click.option("--no-consolidate", is_flag=True, help="Plan and submit each request alone (for comparison).")
 @click.option("--pipelines", is_flag=True,

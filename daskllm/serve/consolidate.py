@@ -1,11 +1,15 @@
 """Request consolidation: requests that arrive close together are planned as one graph.
 
 Each request is a daskllm node. Rather than planning and submitting every request alone,
-the :class:`Consolidator` gathers the requests that arrive while the previous micro-batch is
-being planned (group commit: at low load a request goes alone, at once; under load batches
-grow with the load), optionally waiting up to ``window`` seconds more, and plans them
-together with one ``plan_and_submit``: CSE, shared-prefix prefill, batching and placement
-then work across requests, as in Halo and Harmonia.
+the :class:`Consolidator` plans the requests that arrive close together with one
+``plan_and_submit``: CSE, shared-prefix prefill, batching and placement then work across
+requests, as in Halo and Harmonia, and the cluster runs a few large tasks instead of many
+small ones (on a loaded cluster, per-task overhead is what limits the rate).
+
+How long a micro-batch waits adapts to load: when nothing is in flight a request goes at
+once, alone; while earlier micro-batches run, requests gather for a tenth of the recent
+request latency (at most ``window`` seconds), and whatever arrives while one is being planned
+joins the next (group commit). Under load batches grow; at low load latency is untouched.
 
 A request never waits for a batch longer than its deadline allows: the flush comes no later
 than its deadline less the recent service time. Pending requests leave in deadline order
@@ -63,11 +67,13 @@ class Consolidator:
     """Micro-batches requests' nodes into joint plans on ``client``'s cluster.
 
     ``enabled=False`` plans and submits each request alone, the moment it arrives (the
-    baseline consolidation is measured against). ``window``: seconds a micro-batch may wait
-    for more requests while earlier ones are being planned; 0 waits only for the planner.
+    baseline consolidation is measured against). ``window``: the most seconds a micro-batch
+    waits for more requests while earlier ones run; 0 waits only for the planner.
     """
 
-    def __init__(self, client, *, enabled: bool = True, window: float = 0.0, max_batch: int = 256,
+    LATENCY_SHARE = 0.1  # of the recent request latency, a micro-batch may spend gathering
+
+    def __init__(self, client, *, enabled: bool = True, window: float = 0.1, max_batch: int = 256,
                  plan_options: dict | None = None):
         self.client = client
         self.enabled = enabled
@@ -81,6 +87,9 @@ class Consolidator:
         self._timer: asyncio.TimerHandle | None = None
         self._epoch = time.monotonic()
         self._service = 0.0  # recent planning-and-submission time of a batch, seconds (EWMA)
+        self._latency = 0.0  # recent request latency, arrival to value, seconds (EWMA)
+        self._in_flight = 0  # micro-batches submitted whose values are not all delivered
+        self._open: dict[str, asyncio.Future] = {}  # node key -> the value of its request pending or running
         # Planning holds the GIL, so one planner thread is all that helps; results are awaited
         # on a wider pool (one thread per batch in flight).
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="daskllm-serve-plan")
@@ -95,25 +104,38 @@ class Consolidator:
         return (int(priority) << _DEADLINE_BITS) + at
 
     async def run(self, node: Node, *, priority: int = 0, deadline_ms: float | None = None):
-        """The value of ``node``, computed in a micro-batch with whatever arrives alongside."""
+        """The value of ``node``, computed in a micro-batch with whatever arrives alongside.
+        A request equal to one still pending or running (the same node: the same deterministic
+        calls) shares its value rather than computing it again."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
+        same = self._open.get(node.key)
+        if same is not None:
+            return await asyncio.shield(same)
         deadline = loop.time() + deadline_ms / 1000 if deadline_ms is not None else math.inf
         pending = Pending(self.order_key(priority, deadline_ms, now), next(self._seq), node, deadline,
                           loop.create_future())
         self._pending.append(pending)
+        self._open[node.key] = pending.result
         self._schedule(loop)
-        return await pending.result
+        try:
+            return await pending.result
+        finally:
+            if self._open.get(node.key) is pending.result:
+                del self._open[node.key]
+            latency = time.monotonic() - now
+            self._latency = latency if not self._latency else 0.9 * self._latency + 0.1 * latency
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._pending or self._planning:
             return  # the planner's return flushes what arrived meanwhile
-        if not self.enabled or self.window <= 0:
+        wait = min(self.window, self.LATENCY_SHARE * self._latency)
+        if not self.enabled or wait <= 0 or not self._in_flight:
             self._flush(loop)
             return
-        # Wait for the window, but never past what the most urgent request's deadline allows.
+        # Gather, but never past what the most urgent request's deadline allows.
         first = min(p.deadline for p in self._pending) - self._service
-        at = min(loop.time() + self.window, first)
+        at = min(loop.time() + wait, first)
         if at <= loop.time():
             self._flush(loop)
         elif self._timer is None or self._timer.when() > at:
@@ -160,8 +182,15 @@ class Consolidator:
             waiting: dict[str, list[Pending]] = {}
             for p in batch:
                 waiting.setdefault(p.node.key, []).append(p)
-            loop.run_in_executor(self._waiters, self._deliver, loop, futures, waiting)
+            self._in_flight += 1
+            delivered = loop.run_in_executor(self._waiters, self._deliver, loop, futures, waiting)
+            delivered.add_done_callback(lambda _: self._delivered())
         self._schedule(loop)
+
+    def _delivered(self) -> None:
+        self._in_flight -= 1
+        if not self._in_flight:  # idle now: what waits for a window need not
+            self._schedule(asyncio.get_running_loop())
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, futures: dict, waiting: dict) -> None:
         """Hand each request its value as soon as its future finishes (waiter thread)."""

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from daskllm import config
 from daskllm.api import embed, generate
 from daskllm.plan.items import prompt_calls
-from daskllm.prompts import Prompt, Tokens, tokenizer_for, tokens
+from daskllm.prompts import tokenizer_for
 from daskllm.retrieval import ShardedIndex
 from daskllm.runtime.view import take_view
 from daskllm.serve.consolidate import Consolidator
@@ -34,7 +34,7 @@ class Service:
     :class:`Consolidator`; ``pipelines``: serve the reference pipelines (a source checkout's
     ``pipelines`` package) at ``/v1/pipelines/NAME``."""
 
-    def __init__(self, client, *, consolidate: bool = True, window: float = 0.0, max_batch: int = 256,
+    def __init__(self, client, *, consolidate: bool = True, window: float = 0.1, max_batch: int = 256,
                  pipelines: bool = False, plan_options: dict | None = None):
         self.client = client
         self.consolidator = Consolidator(client, enabled=consolidate, window=window, max_batch=max_batch,
@@ -76,7 +76,7 @@ class Service:
     def node(self, call: Call):
         """The daskllm call of a request (a bad option is an APIError naming it)."""
         try:
-            return generate(_as_sent(call), model=call.model, **call.options, logprobs=call.logprobs or 0)
+            return generate(call.prompt, model=call.model, **call.options, logprobs=call.logprobs or 0)
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc)) from None
 
@@ -146,18 +146,6 @@ class Service:
                 self._inputs = (index, contexts(1)[0])
         index, default_context = self._inputs
         return Inputs([req.question], index, [req.contexts or default_context])
-
-
-def _as_sent(call: Call) -> Prompt:
-    """A token-id prompt means those ids. The planner gives a plain prompt the tokenizer's
-    special prefix (BOS), as it does text: ids that already start with it lose their copy."""
-    segments = call.prompt.segments
-    if len(segments) == 1 and isinstance(segments[0], Tokens):
-        prefix = tokenizer_for(call.model).prefix_ids
-        ids = segments[0].ids
-        if prefix and ids[:len(prefix)] == prefix:
-            return tokens(ids[len(prefix):], call.model)
-    return call.prompt
 
 
 def _pipeline_registry() -> dict:
