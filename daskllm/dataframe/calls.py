@@ -10,8 +10,7 @@ import uuid
 from dataclasses import asdict
 
 import pandas as pd
-from dask.local import get_sync
-from distributed import get_worker, worker_client
+from distributed import get_worker
 from distributed.worker import thread_state
 
 from daskllm import api
@@ -32,11 +31,8 @@ from daskllm.dataframe.ops import (
     yes_no,
 )
 from daskllm.engines import SamplingParams
-from daskllm.ops import engine_of
-from daskllm.plan.context import LOCAL
-from daskllm.runtime import submit
+from daskllm.runtime.here import compute_nested
 from daskllm.runtime.view import take_view
-from daskllm.worker.execute import in_place
 from daskllm.worker.host import host, in_worker
 from daskllm.worker.usage import DATAFRAME, USAGE_TOPIC, TaskUsage
 
@@ -62,7 +58,7 @@ def call(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> pd.
     if todo:
         node = call_node(distinct.iloc[todo], op, slots)
         try:
-            outputs, plan = compute_nested(node, here)
+            (outputs,), plan = compute_nested([node], here)
             outputs = outputs if node.batched else [outputs]  # a template without fields: one prompt
             children, requested = plan_keys(plan), plan.report.get("requested", {})
         except ValueError:  # a CallError: an input failed; each runs alone, for its own outcome
@@ -102,7 +98,7 @@ def alone(row: pd.DataFrame, op: Op, slots: tuple) -> tuple:
     """``(output, None)`` or ``(None, why)``: one input's call, run by itself."""
     node = call_node(row, op, slots)
     try:
-        output, _ = compute_nested(node)
+        (output,), _ = compute_nested([node])
     except ValueError as exc:  # a CallError: "<builder> item <i>: why"; the row is named by lookup
         return None, re.sub(r"^\w+( item \d+)?: ", "", str(exc))
     return (output[0] if node.batched else output), None
@@ -134,53 +130,6 @@ def call_sampling(op: Op) -> SamplingParams:
     allowed = yes_no(op.model) if op.kind == "filter" else digits(op.model) if op.kind == "rate" else ()
     return dataclasses.replace(op.sampling, allowed_token_ids=allowed)
 
-
-
-# What a task can compute in its own thread: no index shard, stream or other task's value to wait for.
-HERE_OPS = frozenset({"const", "gather", "generate", "prefill", "embed", "rerank"})
-
-
-def compute_nested(node, here: bool = True):
-    """Compute a daskllm node from inside a task: ``(value, plan)``.
-
-    ``here``: where this worker serves every engine the node needs, its plan runs in this
-    task's thread against them: the partition is already a shard Dask placed, so there is
-    nothing to place, ship or schedule again, and the engine batches the partition's calls
-    with those of the partitions beside it. Otherwise (or without ``here``: fewer partitions
-    than engines, which splitting spreads) the plan is submitted, placed by the scheduler
-    plugin. Either way the same tasks run: the same tokens and usage records."""
-    if in_worker() and not (here and served_here(node)):
-        with worker_client(separate_thread=True) as client:
-            submission = submit.plan_and_submit([node], client)
-            future = submission.futures[0]
-            # If this partition's task is cancelled (the job was), so is the LLM work it started.
-            with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, [future])):
-                return future.result(), submission.lowered
-    options = submit.current_options()
-    # No stage split: shards would run one after another in this thread; the engine batches the whole call.
-    options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p != "stage"))
-    lowered = submit.plan([node], options, LOCAL)
-    with in_place():
-        return get_sync(lowered.graph, lowered.outputs[node.key]), lowered
-
-
-def served_here(node) -> bool:
-    """Whether this worker can compute ``node`` in a task's thread: only ops of
-    :data:`HERE_OPS`, each engine resident here."""
-    plugin = host()
-    plugin.wait_loaded()
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n.key in seen:
-            continue
-        seen.add(n.key)
-        if n.op not in HERE_OPS:
-            return False
-        if (engine := engine_of(n)) is not None and plugin.resident(engine[1], engine[0]) is None:
-            return False
-        todo.extend(n.inputs.values())
-    return True
 
 
 def spread(npartitions: int, op: Op) -> bool:
@@ -219,7 +168,7 @@ def summarize(texts: list[str], model: str, sampling: SamplingParams, instructio
     else:
         p = api.prompt(literal(instruction) + "{rows}\nSummary:", rows=rows)
     node = api.generate(p, model=model, max_tokens=sampling.max_tokens)
-    summary, plan = compute_nested(node)
+    (summary,), plan = compute_nested([node])
     record("agg", distinct=1, executed=1, failed=0, children=plan_keys(plan),
             requested=plan.report.get("requested", {}), rows=len(texts))
     return summary

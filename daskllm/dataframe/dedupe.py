@@ -16,7 +16,7 @@
 
 Whatever the plan, a row gets the same tokens: only which task calls a prompt changes. Each
 partition's calls run on its own worker's engines where it holds them and the table has at
-least as many partitions as engines (:func:`daskllm.dataframe.calls.compute_nested`).
+least as many partitions as engines (:func:`daskllm.runtime.here.compute_nested`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def shared_owners(sketches: pd.DataFrame) -> dict[tuple[int, int], int]:
 def call_owned(distinct: pd.DataFrame, owners: dict | None, op: Op, slots: tuple, here: bool = True,
                partition_info=None) -> pd.DataFrame:
     """Call the distinct inputs this partition holds alone or owns; ``shared`` marks the results
-    other partitions read. ``here``: on this worker's engines (:func:`calls.compute_nested`)."""
+    other partitions read. ``here``: on this worker's engines (:func:`daskllm.runtime.here.compute_nested`)."""
     shared: list = []
     if owners:
         number = partition_info["number"]

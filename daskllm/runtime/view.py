@@ -45,6 +45,17 @@ def take_view(client=None) -> ClusterView:
     return ClusterView(on_cluster=True, holders=tuple(sorted(holders.items())), reporting=reporting)
 
 
+def model_workers(client) -> dict[tuple[str, str], list[str]]:
+    """``(engine kind, model name)`` -> addresses of the workers holding it (one round trip)."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        metrics = (info.get("metrics") or {}).get("daskllm") or {}
+        for kind, names in (metrics.get("models") or {}).items():
+            for name in set(names):
+                out.setdefault((kind, model_name(name)), []).append(address)
+    return out
+
+
 def _workers_info(client) -> list[dict]:
     try:
         return list(client.scheduler_info(n_workers=-1)["workers"].values())

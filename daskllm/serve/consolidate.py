@@ -24,14 +24,19 @@ import asyncio
 import itertools
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from distributed import as_completed
 
+from daskllm.models import model_name
 from daskllm.plan.ir import Node
+from daskllm.runtime.here import engines_needed, plan_here, run_here
+from daskllm.runtime.metering import note_lowering
 from daskllm.runtime.submit import overrides, plan_and_submit
+from daskllm.runtime.view import model_workers
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,7 @@ logger = logging.getLogger(__name__)
 # Dask's user priority is one int: priority first, deadline among equals.
 _DEADLINE_BITS = 32
 NO_DEADLINE_MS = (1 << _DEADLINE_BITS) - 1
+HOLDERS_TTL = 2.0  # seconds a view of which workers hold which engines is reused
 
 
 @dataclass(order=True)
@@ -74,9 +80,10 @@ class Consolidator:
     LATENCY_SHARE = 0.1  # of the recent request latency, a micro-batch may spend gathering
 
     def __init__(self, client, *, enabled: bool = True, window: float = 0.1, max_batch: int = 256,
-                 plan_options: dict | None = None):
+                 here: bool = True, plan_options: dict | None = None):
         self.client = client
         self.enabled = enabled
+        self.here = here
         self.window = window
         self.max_batch = max_batch
         self.plan_options = dict(plan_options or {})
@@ -90,6 +97,9 @@ class Consolidator:
         self._latency = 0.0  # recent request latency, arrival to value, seconds (EWMA)
         self._in_flight = 0  # micro-batches submitted whose values are not all delivered
         self._open: dict[str, asyncio.Future] = {}  # node key -> the value of its request pending or running
+        self._outstanding: dict[str, int] = {}  # worker -> requests sent to it and not yet answered
+        self._held: tuple[float, dict] = (-math.inf, {})  # when, and which workers hold which engines
+        self._lock = threading.Lock()
         # Planning holds the GIL, so one planner thread is all that helps; results are awaited
         # on a wider pool (one thread per batch in flight).
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="daskllm-serve-plan")
@@ -156,19 +166,58 @@ class Consolidator:
         planned = loop.run_in_executor(self._planner, self._submit, batch)
         planned.add_done_callback(lambda f: self._submitted(loop, batch, f))
 
-    def _submit(self, batch: list[Pending]):
-        """Plan and submit a batch (planner thread): one future per distinct node."""
+    def _submit(self, batch: list[Pending]) -> list[tuple]:
+        """Plan and submit a batch (planner thread): ``(future, node key)`` pairs, or
+        ``(future, [node keys])`` for a future computing several nodes on one worker."""
         start = time.perf_counter()
         nodes = list({p.node.key: p.node for p in batch}.values())
         with overrides(dict(self.plan_options)):
-            submission = plan_and_submit(nodes, self.client, priority=-batch[0].order)
+            workers = self._workers(nodes) if self.here else None
+            if workers:
+                parts, lowered = plan_here(nodes)
+                note_lowering(lowered)
+                by_output = {lowered.outputs[n.key]: n.key for n in nodes}
+                deliveries = []
+                for part in parts:
+                    address = self._least_loaded(workers, len(part.keys))
+                    future = self.client.submit(run_here, part, workers=[address], allow_other_workers=True,
+                                                priority=-batch[0].order, pure=False)
+                    deliveries.append((future, [by_output[k] for k in part.keys], address))
+            else:
+                submission = plan_and_submit(nodes, self.client, priority=-batch[0].order)
+                deliveries = [(f, n.key, None) for f, n in zip(submission.futures, nodes)]
         seconds = time.perf_counter() - start
         self.stats.batches += 1
         self.stats.requests += len(batch)
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         self.stats.planning_seconds += seconds
         self._service = seconds if not self._service else 0.8 * self._service + 0.2 * seconds
-        return dict(zip((n.key for n in nodes), submission.futures))
+        return deliveries
+
+    def _workers(self, nodes: list[Node]) -> list[str] | None:
+        """The workers holding every engine the nodes need; None where they need more than
+        engines (an index shard, a stream), or no worker holds them all."""
+        needed = engines_needed(nodes)
+        if needed is None:
+            return None
+        held = self._holders()
+        workers = set.intersection(*(set(held.get((kind, model_name(model)), ())) for kind, model in needed)) \
+            if needed else set()
+        return sorted(workers) or None
+
+    def _least_loaded(self, workers: list[str], requests: int) -> str:
+        """The worker with the fewest requests outstanding, now charged with ``requests`` more."""
+        with self._lock:
+            address = min(workers, key=lambda w: self._outstanding.get(w, 0))
+            self._outstanding[address] = self._outstanding.get(address, 0) + requests
+        return address
+
+    def _holders(self) -> dict:
+        at, held = self._held
+        if time.monotonic() - at > HOLDERS_TTL:
+            held = model_workers(self.client)
+            self._held = (time.monotonic(), held)
+        return held
 
     def _submitted(self, loop: asyncio.AbstractEventLoop, batch: list[Pending], planned) -> None:
         self._planning = False
@@ -192,14 +241,22 @@ class Consolidator:
         if not self._in_flight:  # idle now: what waits for a window need not
             self._schedule(asyncio.get_running_loop())
 
-    def _deliver(self, loop: asyncio.AbstractEventLoop, futures: dict, waiting: dict) -> None:
+    def _deliver(self, loop: asyncio.AbstractEventLoop, deliveries: list, waiting: dict) -> None:
         """Hand each request its value as soon as its future finishes (waiter thread)."""
-        by_future = {f.key: key for key, f in futures.items()}
-        for future, value in as_completed(list(futures.values()), with_results=True, raise_errors=False):
+        where = {f.key: (k, a) for f, k, a in deliveries}
+        for future, value in as_completed([f for f, _, _ in deliveries], with_results=True, raise_errors=False):
             if future.status == "error":
                 value = value[1]  # (type, exception, traceback)
-            for p in waiting[by_future[future.key]]:
-                loop.call_soon_threadsafe(_settle, p.result, value)
+            node_keys, address = where[future.key]
+            if isinstance(node_keys, str):
+                pairs = [(node_keys, value)]
+            else:  # a worker's group: a value (or error) per node
+                pairs = list(zip(node_keys, value)) if isinstance(value, list) else [(k, value) for k in node_keys]
+                with self._lock:
+                    self._outstanding[address] -= len(node_keys)
+            for key, v in pairs:
+                for p in waiting[key]:
+                    loop.call_soon_threadsafe(_settle, p.result, v)
 
     def close(self) -> None:
         self._planner.shutdown(wait=False, cancel_futures=True)
