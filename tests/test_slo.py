@@ -113,3 +113,27 @@ def test_consolidation_off_sends_each_request_alone(enabled, sizes):
     c = Recording(enabled=enabled, window=0.05)
     _run(c, [("a", None), ("b", None), ("c", None)])
     assert [len(keys) for keys, _ in c.batches] == sizes
+
+
+def test_a_request_that_goes_away_does_not_cancel_the_value_an_equal_one_shares():
+    release: list = []
+
+    class Held(Recording):
+        def _deliver(self, loop, futures, waiting):
+            release.append(lambda: Recording._deliver(self, loop, futures, waiting))
+
+    async def run():
+        c = Held(window=0.05)
+        node = _Named("same")
+        first = asyncio.ensure_future(c.run(node))
+        second = asyncio.ensure_future(c.run(node))
+        while not release:  # both are waiting once the batch is submitted
+            await asyncio.sleep(0.001)
+        first.cancel()
+        release[0]()
+        try:
+            return await asyncio.wait_for(second, 30)
+        finally:
+            c.close()
+
+    assert asyncio.run(run()) == "same"

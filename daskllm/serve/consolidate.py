@@ -129,7 +129,8 @@ class Consolidator:
         self._open[node.key] = pending.result
         self._schedule(loop)
         try:
-            return await pending.result
+            # Shielded: a client that goes away must not cancel the value others share.
+            return await asyncio.shield(pending.result)
         finally:
             if self._open.get(node.key) is pending.result:
                 del self._open[node.key]
