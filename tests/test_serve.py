@@ -256,3 +256,26 @@ def test_sampling_of_a_served_request_is_the_builder_s(cluster):
                                                                        "seed": 3, "stop": ["\n"]})
     assert service.node(call).params["sampling"] == SamplingParams(max_tokens=5, temperature=0.5, seed=3,
                                                                    stop=("\n",), logprobs=0)
+
+
+def test_reference_pipelines_run_as_workflow_requests(cluster):
+    """`/v1/pipelines/NAME`: a workflow (w2: three dependent calls, on one worker's engine; naive_rag:
+    a search over the index sharded across workers, then calls) equals its batch run."""
+    from pipelines import registry
+    from pipelines.data import Inputs, contexts, passages
+    from pipelines.ops import plain
+
+    question = "How do I read a CSV file in Python?"
+    index = daskllm.ShardedIndex.from_texts(cluster, "test-serve-passages", passages())
+    inputs = Inputs([question], index, [contexts(1)[0]])
+    with serving(cluster, pipelines=True, timeout=DEADLINE) as base:
+        listed = httpx.get(f"{base}/pipelines", timeout=DEADLINE).json()["data"]
+        assert {"w2", "naive_rag"} <= {p["id"] for p in listed}
+        for name in ("w2", "naive_rag"):
+            reply = httpx.post(f"{base}/pipelines/{name}", timeout=DEADLINE,
+                               json={"question": question, "model": "tiny", "max_tokens": 8})
+            assert reply.status_code == 200, reply.text
+            expected = plain(daskllm.compute(registry()[name](inputs, model="tiny", max_tokens=8))[0])
+            assert reply.json()["answer"] == plain(expected)[0]
+        missing = httpx.post(f"{base}/pipelines/nope", json={"question": "x"}, timeout=DEADLINE)
+        assert missing.status_code == 404 and "w2" in missing.json()["error"]["message"]
