@@ -279,3 +279,27 @@ def test_reference_pipelines_run_as_workflow_requests(cluster):
             assert reply.json()["answer"] == plain(expected)[0]
         missing = httpx.post(f"{base}/pipelines/nope", json={"question": "x"}, timeout=DEADLINE)
         assert missing.status_code == 404 and "w2" in missing.json()["error"]["message"]
+
+
+def test_a_stream_survives_its_worker_being_killed(client, cluster):
+    """SIGKILL the worker decoding a streamed request after its first text: Dask reruns the task on
+    the other worker, and the client still reads exactly the batch run's text, nothing repeated."""
+    import os
+
+    expected = batch(PROMPTS[2:3], max_tokens=120, ignore_eos=True)[0]
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=120, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    pieces = [next(c.choices[0].text for c in stream if c.choices and c.choices[0].text)]
+
+    def decoding(dask_scheduler):
+        return {k: ts.processing_on.address for k, ts in dask_scheduler.tasks.items()
+                if str(k).startswith("daskllm-stream-") and ts.processing_on is not None}
+
+    running = cluster.run_on_scheduler(decoding)
+    assert len(running) == 1, running
+    (worker,) = running.values()
+    os.kill(cluster.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
+    pieces += [c.choices[0].text for c in stream if c.choices]
+    assert "".join(pieces) == expected
+    cluster.wait_for_workers(2, timeout=DEADLINE)  # the nanny restarts it for the tests after
+    daskllm.worker.resident_models(cluster)
