@@ -137,3 +137,25 @@ def test_a_request_that_goes_away_does_not_cancel_the_value_an_equal_one_shares(
             c.close()
 
     assert asyncio.run(run()) == "same"
+
+
+def test_calls_on_a_part_s_helper_threads_carry_the_part_task_s_priority():
+    """A server's part runs its calls on helper threads under inner task keys Dask never saw: they
+    take the priority of the part's task, through the context copied to those threads."""
+    import contextvars
+    import importlib
+    import threading
+
+    host = importlib.import_module("daskllm.worker.host")  # the module (daskllm.worker.host is also a function)
+
+    token = host._inherited_priority.set(-1795)  # what priority_of sets from the running part's task
+    try:
+        context = contextvars.copy_context()
+    finally:
+        host._inherited_priority.reset(token)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(context.copy().run(host.task_priority, "decode-inner")))
+    thread.start()
+    thread.join(30)
+    assert seen == [-1795]
+    assert host.task_priority("decode-inner") == 0  # outside: no task, no priority

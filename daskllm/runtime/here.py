@@ -28,7 +28,7 @@ from daskllm.plan.ir import Node
 from daskllm.plan.lower import Lowered
 from daskllm.runtime import submit
 from daskllm.worker.execute import in_place
-from daskllm.worker.host import host, in_worker
+from daskllm.worker.host import host, in_worker, priority_of
 
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
@@ -181,8 +181,9 @@ def run_here(planned: PlannedHere) -> list:
 def _run(graph, keys: list, local: bool) -> list:
     if local:
         # Threads, not one after another: a part's independent calls (a workflow's parallel
-        # branches) wait on the engine together and join the same engine steps.
-        with in_place():
+        # branches) wait on the engine together and join the same engine steps. They carry this
+        # task's priority (a request's deadline) into the engine's queue.
+        with in_place(), priority_of(thread_state.key):
             return list(dask.threaded.get(graph, keys, pool=_InWorker(_pool())))
     with worker_client(separate_thread=True) as client:
         futures = client.get(graph, keys, sync=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import contextvars
 import itertools
 import logging
 import os
@@ -370,12 +371,31 @@ def in_worker() -> bool:
         return False
 
 
+# The priority of the worker task a thread computes for (a server's part runs its calls on
+# helper threads, whose inner task keys Dask never saw): a context variable, copied with the context.
+_inherited_priority: contextvars.ContextVar[int | None] = contextvars.ContextVar("daskllm_priority", default=None)
+
+
 def task_priority(task_key: str) -> int:
     """The engine priority of the running task ``task_key``: the first element of its Dask
     priority (the submission's ``priority=`` negated, so lower runs first, as engines order),
-    which makes a request's deadline order the engine's waiting queue too. 0 outside a worker."""
+    which makes a request's deadline order the engine's waiting queue too. Inside
+    :func:`priority_of`, that task's. 0 outside a worker."""
+    inherited = _inherited_priority.get()
+    if inherited is not None:
+        return inherited
     try:
         ts = get_worker().state.tasks.get(task_key)
     except ValueError:
         return 0
     return int(ts.priority[0]) if ts is not None and ts.priority else 0
+
+
+@contextlib.contextmanager
+def priority_of(task_key: str):
+    """Calls made in this context (and in contexts copied from it) carry ``task_key``'s priority."""
+    token = _inherited_priority.set(task_priority(task_key))
+    try:
+        yield
+    finally:
+        _inherited_priority.reset(token)
