@@ -134,7 +134,8 @@ def plan_here(nodes: list[Node]) -> tuple[list[PlannedHere], Lowered]:
     engines = frozenset(e for n in lowered.plan if (e := engine_of(n)) is not None)
     graph = dict(lowered.graph)
     parts = []
-    for keys, tasks in _independent(graph, [lowered.outputs[n.key] for n in nodes]):
+    outputs = list(dict.fromkeys(lowered.outputs[n.key] for n in nodes))  # CSE may merge two nodes' outputs
+    for keys, tasks in _independent(graph, outputs):
         parts.append(PlannedHere({k: graph[k] for k in tasks}, keys, engines))
     return parts, lowered
 

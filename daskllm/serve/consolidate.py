@@ -1,10 +1,13 @@
 """Request consolidation: requests that arrive close together are planned as one graph.
 
 Each request is a daskllm node. Rather than planning and submitting every request alone,
-the :class:`Consolidator` plans the requests that arrive close together with one
-``plan_and_submit``: CSE, shared-prefix prefill, batching and placement then work across
-requests, as in Halo and Harmonia, and the cluster runs a few large tasks instead of many
-small ones (on a loaded cluster, per-task overhead is what limits the rate).
+the :class:`Consolidator` plans the requests that arrive close together as one graph, so CSE
+works across requests, as in Halo and Harmonia. Where the requests need only engines, the
+plan is split into parts that share no task, and each part is one task that runs its plan on
+the least-loaded worker holding its engines (:mod:`daskllm.runtime.here`): a request is one
+task, its dependent calls reach the engine with no scheduler round trip between them, and a
+quick request is never held back by a slow one planned beside it. Other work (a search over
+an index sharded across workers) is submitted as a normal plan, placed by the placement plugin.
 
 How long a micro-batch waits adapts to load: when nothing is in flight a request goes at
 once, alone; while earlier micro-batches run, requests gather for a tenth of the recent
@@ -168,8 +171,9 @@ class Consolidator:
         planned.add_done_callback(lambda f: self._submitted(loop, batch, f))
 
     def _submit(self, batch: list[Pending]) -> list[tuple]:
-        """Plan and submit a batch (planner thread): ``(future, node key)`` pairs, or
-        ``(future, [node keys])`` for a future computing several nodes on one worker."""
+        """Plan and submit a batch (planner thread): ``(future, node keys, worker)`` triples:
+        ``node keys`` a list of lists (the nodes whose value is each value of a part's future,
+        and the part's worker), or a str (a planned node's own future, worker None)."""
         start = time.perf_counter()
         nodes = list({p.node.key: p.node for p in batch}.values())
         with overrides(dict(self.plan_options)):
@@ -177,7 +181,9 @@ class Consolidator:
             if workers:
                 parts, lowered = plan_here(nodes)
                 note_lowering(lowered)
-                by_output = {lowered.outputs[n.key]: n.key for n in nodes}
+                by_output: dict[str, list[str]] = {}
+                for n in nodes:
+                    by_output.setdefault(lowered.outputs[n.key], []).append(n.key)
                 deliveries = []
                 for part in parts:
                     address = self._least_loaded(workers, len(part.keys))
@@ -251,8 +257,9 @@ class Consolidator:
             node_keys, address = where[future.key]
             if isinstance(node_keys, str):
                 pairs = [(node_keys, value)]
-            else:  # a worker's group: a value (or error) per node
-                pairs = list(zip(node_keys, value)) if isinstance(value, list) else [(k, value) for k in node_keys]
+            else:  # a part: a value (or error) per output, each the value of one or more nodes
+                values = value if isinstance(value, list) else [value] * len(node_keys)
+                pairs = [(k, v) for keys, v in zip(node_keys, values) for k in keys]
                 with self._lock:
                     self._outstanding[address] -= len(node_keys)
             for key, v in pairs:
