@@ -10,7 +10,9 @@ from daskllm.engines import lifecycle
 from daskllm.engines.batcher import Batcher
 
 
-def test_the_exit_hook_closes_every_open_batcher_and_forgets_collected_ones():
+def test_the_exit_hook_closes_every_open_batcher_and_forgets_collected_ones(monkeypatch):
+    # Only this test's objects: the hook must not close engines other tests of this process share.
+    monkeypatch.setattr(lifecycle, "_open", weakref.WeakSet())
     running = Batcher(lambda items: [i * 2 for i in items], max_batch_items=8, name="test-exit")
     assert running.submit([1, 2]).result(timeout=30) == [2, 4]
     closed = Batcher(lambda items: items, max_batch_items=8, name="test-closed")

@@ -392,9 +392,6 @@ def _remote_stats(client) -> dict:
     return next(iter(client.run(stats).values()))
 
 
-# `daskllm serve` puts a BOS token before a token-id prompt that does not start with one (a
-# prompt of ids [2, 1000] is answered as [0, 2, 1000]); a chat prompt's ids start with
-# <|im_start|>, so its answers differ. Token-id prompts are verbatim in OpenAI's and vLLM's API.
 @pytest.mark.timeout(SERVE_DEADLINE + 300)
 @pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
 def test_a_reference_pipeline_on_a_remote_worker_equals_the_local_run(server, remote_cluster, chat):
