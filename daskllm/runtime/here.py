@@ -70,13 +70,9 @@ def compute_nested(nodes: list[Node], here: bool = True) -> tuple[list, Lowered]
     if in_worker() and not (here and all(served_here(n) for n in nodes)):
         with worker_client(separate_thread=True) as client:
             submission = submit.plan_and_submit(list(nodes), client)
-            futures = submission.futures
-            with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, futures)):
-                return client.gather(futures), submission.lowered
-    options = submit.current_options()
+            return _gathered(client, submission.futures), submission.lowered
     # No stage split: shards would run one after another in this thread; the engine batches each call whole.
-    options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p != "stage"))
-    lowered = submit.plan(list(nodes), options, LOCAL)
+    lowered = _local_plan(nodes, drop=("stage",))
     with in_place():
         return list(get_sync(lowered.graph, [lowered.outputs[n.key] for n in nodes])), lowered
 
@@ -123,14 +119,11 @@ def plan_here(nodes: list[Node]) -> tuple[list[PlannedHere], Lowered]:
     """Plan ``nodes`` together, as parts that share no task (each to run in one worker task,
     :func:`run_here`): nodes that share a call (CSE) are one part, independent ones are
     separate parts, so a quick request is never held back by a slow one planned beside it.
-    Without
-    the stage split (see :func:`compute_nested`) and without prefill tasks: one engine runs all
+    Without the stage split (see :func:`compute_nested`) and without prefill tasks: one engine runs all
     the calls, and its prefix cache computes a prefix they share once (a request waits a step
     for a block another is computing), so a prefill task would only add an engine round trip
     before each stage."""
-    options = submit.current_options()
-    options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p not in ("stage", "prefix")))
-    lowered = submit.plan(list(nodes), options, LOCAL)
+    lowered = _local_plan(nodes, drop=("stage", "prefix"))
     engines = frozenset(e for n in lowered.plan if (e := engine_of(n)) is not None)
     graph = dict(lowered.graph)
     parts = []
@@ -187,6 +180,17 @@ def _run(graph, keys: list, local: bool) -> list:
         with in_place(), priority_of(thread_state.key):
             return list(dask.threaded.get(graph, keys, pool=_InWorker(_pool())))
     with worker_client(separate_thread=True) as client:
-        futures = client.get(graph, keys, sync=False)
-        with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, futures)):
-            return client.gather(futures)
+        return _gathered(client, client.get(graph, keys, sync=False))
+
+
+def _local_plan(nodes: list[Node], drop: tuple[str, ...]) -> Lowered:
+    """``nodes`` planned for this process's engines (the local view), without the passes ``drop``."""
+    options = submit.current_options()
+    options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p not in drop))
+    return submit.plan(list(nodes), options, LOCAL)
+
+
+def _gathered(client, futures: list) -> list:
+    """The values of work this task submitted; cancelling the task cancels that work too."""
+    with host().abortable(thread_state.key, lambda: client.loop.add_callback(client._cancel, futures)):
+        return client.gather(futures)
