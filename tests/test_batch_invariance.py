@@ -1,8 +1,10 @@
-"""The machine property the engine's exactness rests on: ``llama.linear`` is batch-invariant.
+"""The machine property the engine's exactness rests on: its matrix products are batch-invariant.
 
 Greedy decoding gives the same tokens alone, batched and on a cached prefix only if a row's
-matrix product has the same bits whatever other rows share the call. ``linear`` pads the
-row count to a multiple of ``ROW_MULTIPLE`` for that. If this fails on a machine, the engine
+matrix product has the same bits whatever other rows share the call. ``invariant.Linear``
+(the Llama engine's projections: a weight prepared once for oneDNN on CPU) relies on the
+kernel for that; ``linear`` (its fallback, and the BERT engine's) pads the row count to a
+multiple of ``ROW_MULTIPLE``. Both are checked here. If this fails on a machine, the engine
 is not exact there, even though token-level tests rarely notice a last-bit difference (a
 random model's top two logits are seldom that close): hence the forward-pass checks at the end,
 which compare logits bit for bit.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daskllm.engines.invariant import ROW_MULTIPLE, linear, pad_rows
+from daskllm.engines.invariant import ROW_MULTIPLE, Linear, linear, pad_rows
 
 MAX_ROWS = 70
 # (K, N): the tiny model's projections (qkv, gate/up, down, lm head) and an odd shape
@@ -40,44 +42,76 @@ def test_pad_rows():
     assert all(pad_rows(n) - n < ROW_MULTIPLE for n in range(ROW_MULTIPLE, 200))
 
 
+# The two batch-invariant products: padded rows, and a weight prepared once (oneDNN on CPU).
+IMPLS = {
+    "padded": lambda w, b=None: (lambda x: linear(x, w, b)),
+    "prepared": lambda w, b=None: Linear(w, b),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("k,n", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
-def test_linear_rows_are_bitwise_independent_of_row_count(k, n, num_threads):
+def test_linear_rows_are_bitwise_independent_of_row_count(k, n, num_threads, impl):
     gen = torch.Generator().manual_seed(k * 1000 + n)
     x = torch.randn(MAX_ROWS, k, generator=gen)
     w = torch.randn(n, k, generator=gen) * 0.1
-    full = linear(x, w)
+    product = IMPLS[impl](w)
+    full = product(x)
     assert full.shape == (MAX_ROWS, n)
     mismatched = []
     for rows in range(1, MAX_ROWS + 1):
-        part = linear(x[:rows], w)
+        part = product(x[:rows])
         assert part.shape == (rows, n)
         if not torch.equal(part, full[:rows]):
             mismatched.append(rows)
         # the last rows, too: a row's bits depend neither on its neighbours nor on its index
         # (skipped for the wide lm-head shape, to keep the test fast)
         start = MAX_ROWS - rows
-        if n <= 2048 and not torch.equal(linear(x[start:], w), full[start:]):
+        if n <= 2048 and not torch.equal(product(x[start:]), full[start:]):
             mismatched.append(-rows)
-    assert not mismatched, (f"linear() is not batch-invariant on this machine for K={k}, N={n}, "
+    assert not mismatched, (f"{impl} linear is not batch-invariant on this machine for K={k}, N={n}, "
                             f"{num_threads} threads; differing row counts (negative: trailing rows): "
                             f"{mismatched}")
 
 
-def test_linear_with_bias_is_batch_invariant(num_threads):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_linear_with_bias_is_batch_invariant(num_threads, impl):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(MAX_ROWS, 256, generator=gen)
     w = torch.randn(384, 256, generator=gen) * 0.1
     b = torch.randn(384, generator=gen)
-    full = linear(x, w, b)
-    bad = [r for r in range(1, MAX_ROWS + 1) if not torch.equal(linear(x[:r], w, b), full[:r])]
+    product = IMPLS[impl](w, b)
+    full = product(x)
+    bad = [r for r in range(1, MAX_ROWS + 1) if not torch.equal(product(x[:r]), full[:r])]
     assert not bad
 
 
-def test_linear_matches_f_linear_numerically():
+def test_prefill_sized_products_are_batch_invariant(num_threads):
+    """A prefill step runs up to max-num-batched-tokens rows (2048 by default) through one product."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2048, 256, generator=gen)
+    product = Linear(torch.randn(384, 256, generator=gen) * 0.1)
+    full = product(x)
+    bad = [r for r in (1, 3, 4, 127, 128, 129, 500, 1023, 2047) if not torch.equal(product(x[:r]), full[:r])]
+    bad += [-r for r in (1, 5, 300) if not torch.equal(product(x[-r:]), full[-r:])]
+    assert not bad
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_linear_matches_f_linear_numerically(impl):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, 64, generator=gen)
     w = torch.randn(32, 64, generator=gen)
-    torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))
+    b = torch.randn(32, generator=gen)
+    torch.testing.assert_close(IMPLS[impl](w, b)(x), torch.nn.functional.linear(x, w, b))
+
+
+def test_prepared_linear_uses_onednn_on_cpu():
+    """The fast path is the one in use where oneDNN is (else the engine silently pads rows)."""
+    w = torch.randn(32, 64)
+    assert Linear(w).packed == torch.backends.mkldnn.is_available()
+    assert not Linear(w, pack=False).packed
+    assert not Linear(w.double()).packed  # float32 only: other dtypes pad rows
 
 
 # --- the whole forward pass ------------------------------------------------------------------

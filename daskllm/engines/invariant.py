@@ -1,10 +1,18 @@
 """Batch-invariant primitives: a row's result must not depend on the other rows.
 
-The CPU GEMM kernels give every row of a matrix product the same bits for any row count
-that is a multiple of ``ROW_MULTIPLE``; for 1-3 rows (and, with several threads, other
-counts that are not multiples of 4) they switch to kernels that round differently.
-Padding the row count is all it takes. ``tests/test_batch_invariance.py`` checks the
-property on the machine it runs on.
+Two ways to get a matrix product whose every row has the same bits whatever the row count:
+
+* :class:`Linear` (the Llama engine's projections): on CPU in float32 the weight is
+  reordered once into oneDNN's blocked layout and every product runs oneDNN's kernel for
+  that layout, which is batch-invariant for *any* row count, 1 included. So a lone decode
+  row costs a matrix-vector product's time instead of a padded 4-row GEMM's (about 3x less
+  on the machines measured), and 32 rows run faster than MKL's GEMM too.
+* :func:`linear` (the fallback, and the BERT engine): the CPU GEMM kernels give every row
+  the same bits for any row count that is a multiple of ``ROW_MULTIPLE``; for 1-3 rows
+  (and, with several threads, other counts that are not multiples of 4) they switch to
+  kernels that round differently. Padding the row count is all it takes.
+
+``tests/test_batch_invariance.py`` checks both properties on the machine it runs on.
 """
 
 from __future__ import annotations
@@ -29,3 +37,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` whose every row is batch-invariant."""
     n = x.shape[0]
     return F.linear(padded(x), weight, bias)[:n]
+
+
+def _onednn_usable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear:
+    """A weight (and bias) prepared once for batch-invariant products: ``Linear(w, b)(x)``.
+
+    ``weight`` is [out, in] as in ``F.linear``; ``x`` is [rows, in]. The unprepared weight
+    is not kept (``packed`` tells which path is in use).
+    """
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True):
+        self.bias = bias
+        self.packed = pack and _onednn_usable(weight)
+        # batch_size=None: a layout not tuned to one row count, so every count runs the same kernel.
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return linear(x, self.weight, self.bias)

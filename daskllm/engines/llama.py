@@ -5,13 +5,19 @@ others, or on top of a cached prefix. Float arithmetic is only reproducible if e
 number is computed by the same sequence of operations, so this module never lets the
 batch change a reduction:
 
-* Matrix products get a row count padded to a multiple of 4 (see
-  :mod:`daskllm.engines.invariant`), for which the CPU GEMM kernels give every row the
-  same bits whatever the row count.
+* Projections are :class:`~daskllm.engines.invariant.Linear`: weights prepared once for
+  oneDNN on CPU, whose kernel gives every row the same bits whatever the row count (a lone
+  decode row then costs a matrix-vector product); elsewhere the row count is padded to a
+  multiple of 4, for which the GEMM kernels give every row the same bits.
 * Attention never reduces over a length that depends on the context: keys are taken in
-  fixed chunks of one cache block, each chunk is a fixed-shape matmul, and chunk results
-  are combined by a sequential ``cumsum`` over chunks, where chunks past a query's
-  position contribute exact zeros. The softmax max is order-free.
+  fixed chunks of one cache block, each chunk is a fixed-shape matmul (score rows padded
+  to a multiple of 4), and chunk results are combined by a sequential ``cumsum`` over
+  chunks, where chunks past a query's position contribute exact zeros. The softmax max is
+  order-free.
+
+Speed: the KV cache is laid out [layer, block, KV head, row, d], so the blocks a step
+reads are gathered (``index_select``) straight into the layout its matmuls take; a step's
+block tables and causal masks are built once and shared by every layer.
 
 Supported checkpoints: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
 Qwen3ForCausalLM directories with safetensors (or .bin) weights.
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from daskllm.engines.invariant import linear, pad_rows
+from daskllm.engines.invariant import Linear, pad_rows
 from daskllm.models import dummy_weights
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -145,27 +151,28 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+            qkv_bias = None
+            if cfg.attention_bias:
+                biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
+                if all(b is not None for b in biases):
+                    qkv_bias = torch.cat(biases)
             layer = {
                 "in_norm": take(p + "input_layernorm.weight"),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
                 # One fused projection each for QKV and gate/up: fewer, larger GEMMs.
-                "qkv": torch.cat([q, k, v]),
-                "qkv_bias": None,
-                "o": take(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                "down": take(p + "mlp.down_proj.weight"),
+                "qkv": Linear(torch.cat([q, k, v]), qkv_bias),
+                "o": Linear(take(p + "self_attn.o_proj.weight")),
+                "gate_up": Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                "down": Linear(take(p + "mlp.down_proj.weight")),
             }
-            if cfg.attention_bias:
-                biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
-                if all(b is not None for b in biases):
-                    layer["qkv_bias"] = torch.cat(biases)
             if cfg.qk_norm:
                 layer["q_norm"] = take(p + "self_attn.q_norm.weight")
                 layer["k_norm"] = take(p + "self_attn.k_norm.weight")
             self.layers.append(layer)
         self.norm = take("model.norm.weight")
         head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
-        self.lm_head = head if head is not None else self.embed
+        # Tied: the embedding table stays for lookups; the head holds its own prepared copy.
+        self.lm_head = Linear(head if head is not None else self.embed)
         self.cos, self.sin = _rope_tables(model_dir, cfg, self.device)
         self.k_cache = self.v_cache = None
         self.block_size = 0
@@ -177,7 +184,9 @@ class LlamaModel:
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
-        shape = (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        # [layer, block, KV head, row in block, d]: a block's rows for one head are contiguous,
+        # so gathered blocks are already in the layout the attention matmuls read (no copy).
+        shape = (c.num_layers, num_blocks, c.num_kv_heads, block_size, c.head_dim)
         # Zeros, not empty: masked attention weights are exact zeros, and 0 * NaN would not be.
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
@@ -186,8 +195,8 @@ class LlamaModel:
     @torch.inference_mode()
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         """Copy the first ``rows`` cached K/V rows of block ``src`` into block ``dst``."""
-        self.k_cache[:, dst, :rows] = self.k_cache[:, src, :rows]
-        self.v_cache[:, dst, :rows] = self.v_cache[:, src, :rows]
+        self.k_cache[:, dst, :, :rows] = self.k_cache[:, src, :, :rows]
+        self.v_cache[:, dst, :, :rows] = self.v_cache[:, src, :, :rows]
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
@@ -195,77 +204,108 @@ class LlamaModel:
         c = self.config
         n = step.input_ids.shape[0]
         h = self.embed[step.input_ids]
-        cos, sin = self.cos[step.positions], self.sin[step.positions]
+        cos, sin = self.cos[step.positions].unsqueeze(1), self.sin[step.positions].unsqueeze(1)
+        # Where each new token's K/V goes: (block, row in block), the same for every layer.
+        block, offset = step.slots // self.block_size, step.slots % self.block_size
+        groups = self._attention_groups(step)  # tables and masks: built once, used by every layer
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                 c.num_kv_heads * c.head_dim], dim=-1)
-            q = q.view(n, c.num_heads, c.head_dim)
-            k = k.view(n, c.num_kv_heads, c.head_dim)
-            v = v.view(n, c.num_kv_heads, c.head_dim)
+            qkv = layer["qkv"](x)
             if c.qk_norm:
-                q = _rms_norm(q, layer["q_norm"], c.rms_norm_eps)
-                k = _rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            self.k_cache[li].view(-1, c.num_kv_heads, c.head_dim)[step.slots] = k
-            self.v_cache[li].view(-1, c.num_kv_heads, c.head_dim)[step.slots] = v
-            attn = self._attention(li, q, step)
-            h = h + linear(attn.reshape(n, -1), layer["o"])
+                q = _rms_norm(qkv[:, :q_size].view(n, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
+                k = _rms_norm(qkv[:, q_size:q_size + kv_size].view(n, c.num_kv_heads, c.head_dim),
+                              layer["k_norm"], c.rms_norm_eps)
+                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            else:  # q and k rotated by one call: their heads sit side by side in qkv
+                qk = _rope(qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+                q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
+            self.k_cache[li][block, :, offset] = k
+            self.v_cache[li][block, :, offset] = v
+            attn = self._attention(li, q, groups)
+            h = h + layer["o"](attn.reshape(n, -1))
             x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["down"](F.silu(gate) * up)
         rows = h[step.logit_rows]
-        return linear(_rms_norm(rows, self.norm, c.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(_rms_norm(rows, self.norm, c.rms_norm_eps)).float()
 
-    def _attention(self, layer: int, q: torch.Tensor, step: StepInput) -> torch.Tensor:
-        out = torch.zeros_like(q)
+    def _attention_groups(self, step: StepInput) -> list[_Group]:
+        """The step's queries as attention calls: all decodes in one, each prefill in tiles."""
+        groups = []
         decodes = [s for s in step.seqs if s[1] == 1]
         if decodes:
             rows = [s[0] for s in decodes]
-            positions = torch.tensor([[s[2]] for s in decodes], device=q.device)
-            out[rows] = self._attend(layer, q[rows].unsqueeze(1), positions, [s[3] for s in decodes]).squeeze(1)
+            # A pure decode step (the common case) needs no gather of its query rows.
+            index = slice(0, len(rows)) if rows == list(range(step.input_ids.shape[0])) else rows
+            groups.append(self._group(index, [[s[2]] for s in decodes], [s[3] for s in decodes]))
         for start, count, cached, table in step.seqs:
             if count == 1:
                 continue
             for t0 in range(0, count, PREFILL_TILE):
                 t1 = min(count, t0 + PREFILL_TILE)
-                positions = torch.arange(cached + t0, cached + t1, device=q.device).unsqueeze(0)
-                out[start + t0:start + t1] = self._attend(layer, q[start + t0:start + t1].unsqueeze(0),
-                                                          positions, [table])[0]
-        return out
+                groups.append(self._group(slice(start + t0, start + t1), [list(range(cached + t0, cached + t1))],
+                                          [table]))
+        return groups
 
-    def _attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, tables: list[list[int]]) -> torch.Tensor:
-        """Causal attention of queries ``q`` [B, T, H, d] at ``positions`` [B, T] over cached K/V."""
+    def _group(self, rows, positions: list[list[int]], tables: list[list[int]]) -> _Group:
+        """One attention call's block table [B, chunks] and mask, for queries at ``positions`` [B][T]."""
         c = self.config
         bs = self.block_size
-        b, t = q.shape[:2]
+        b, t = len(positions), len(positions[0])
         g = c.num_heads // c.num_kv_heads
-        n_chunks = int(positions.max()) // bs + 1
-        table = torch.zeros(b, n_chunks, dtype=torch.long, device=q.device)
-        for i, blocks in enumerate(tables):
-            blocks = blocks[:n_chunks]
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        # [B, Hkv, chunks, d, bs] and [B, Hkv, chunks, bs, d]
-        keys = self.k_cache[layer][table].permute(0, 3, 1, 4, 2)
-        values = self.v_cache[layer][table].permute(0, 3, 1, 2, 4)
-        # Rows are (query head within its KV group, position): [B, Hkv, g*T -> M, d]
-        rows = q.view(b, t, c.num_kv_heads, g, c.head_dim).permute(0, 2, 3, 1, 4).reshape(b, c.num_kv_heads, g * t, -1)
         m = pad_rows(g * t)
+        n_chunks = max(p[-1] for p in positions) // bs + 1
+        table = torch.tensor([blocks[:n_chunks] + [0] * (n_chunks - len(blocks[:n_chunks])) for blocks in tables],
+                             dtype=torch.long, device=self.device)
+        # Rows are (query head within its KV group, position), then padding rows that see key 0.
+        row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=self.device)  # [B, M]
+        key_pos = torch.arange(n_chunks * bs, device=self.device).view(1, n_chunks, 1, 1, bs)
+        masked = key_pos > row_pos.view(b, 1, 1, m, 1)  # [B, chunks, 1 (KV heads), M, bs]
+        return _Group(rows, b, t, m, table, masked)
+
+    def _attention(self, layer: int, q: torch.Tensor, groups: list[_Group]) -> torch.Tensor:
+        if len(groups) == 1 and groups[0].rows == slice(0, q.shape[0]):
+            return self._attend(layer, q.view(groups[0].b, groups[0].t, *q.shape[1:]), groups[0]).view_as(q)
+        out = torch.empty_like(q)  # the groups cover every row
+        for grp in groups:
+            out[grp.rows] = self._attend(layer, q[grp.rows].view(grp.b, grp.t, *q.shape[1:]), grp).flatten(0, 1)
+        return out
+
+    def _attend(self, layer: int, q: torch.Tensor, grp: _Group) -> torch.Tensor:
+        """Causal attention of queries ``q`` [B, T, H, d] over the cached K/V of ``grp``'s blocks."""
+        c = self.config
+        b, t, m = grp.b, grp.t, grp.m
+        g = c.num_heads // c.num_kv_heads
+        # index_select: the same gather as k_cache[layer][table], several times faster on CPU.
+        blocks = grp.table.view(-1)
+        keys = self.k_cache[layer].index_select(0, blocks).view(b, -1, *self.k_cache.shape[2:])  # [B, chunks, Hkv, bs, d]
+        values = self.v_cache[layer].index_select(0, blocks).view(b, -1, *self.v_cache.shape[2:])
+        # Rows are (query head within its KV group, position): [B, 1, Hkv, g*T -> M, d]
+        rows = q.view(b, t, c.num_kv_heads, g, c.head_dim).permute(0, 2, 3, 1, 4).reshape(b, c.num_kv_heads, g * t, -1)
         rows = F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(c.head_dim))
-        rows = rows.unsqueeze(2).expand(b, c.num_kv_heads, n_chunks, m, c.head_dim)
-        scores = torch.matmul(rows.contiguous(), keys.contiguous())  # [B, Hkv, chunks, M, bs]
-        row_pos = F.pad(positions.repeat(1, g), (0, m - g * t), value=0)  # [B, M]; padding rows see key 0
-        key_pos = torch.arange(n_chunks * bs, device=q.device).view(n_chunks, bs)
-        masked = key_pos.view(1, 1, n_chunks, 1, bs) > row_pos.view(b, 1, 1, m, 1)
-        scores = scores.masked_fill(masked, float("-inf"))
-        peak = scores.amax(dim=(2, 4), keepdim=True)
+        scores = torch.matmul(rows.unsqueeze(1), keys.transpose(-1, -2))  # [B, chunks, Hkv, M, bs]
+        scores = scores.masked_fill(grp.masked, float("-inf"))
+        peak = scores.amax(dim=(1, 4), keepdim=True)
         weights = torch.exp(scores - peak)
         # Per-chunk partials, then a sequential sum over chunks: exact zeros past the position.
-        num = torch.matmul(weights, values.contiguous()).cumsum(dim=2)[:, :, -1]  # [B, Hkv, M, d]
-        den = weights.sum(dim=-1).cumsum(dim=2)[:, :, -1]  # [B, Hkv, M]
+        num = torch.matmul(weights, values).cumsum(dim=1)[:, -1]  # [B, Hkv, M, d]
+        den = weights.sum(dim=-1).cumsum(dim=1)[:, -1]  # [B, Hkv, M]
         attn = (num / den.unsqueeze(-1))[:, :, :g * t]
         return attn.view(b, c.num_kv_heads, g, t, c.head_dim).permute(0, 3, 1, 2, 4).reshape(b, t, c.num_heads, -1)
+
+
+@dataclass(slots=True)
+class _Group:
+    """One attention call of a step: its query rows in the flat batch and what every layer reuses."""
+
+    rows: slice | list[int]
+    b: int  # sequences
+    t: int  # query positions per sequence
+    m: int  # score rows per KV head: g * t padded (see invariant.pad_rows)
+    table: torch.Tensor  # [B, chunks] cache blocks
+    masked: torch.Tensor  # [B, chunks, 1, M, bs]: True where a key lies past the row's position
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -276,7 +316,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return x * cos + rotated * sin
 
 
 def _rope_tables(model_dir: pathlib.Path, cfg: LlamaConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
