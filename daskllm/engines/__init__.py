@@ -2,10 +2,13 @@
 
 An :class:`EngineSpec` says which model a worker should keep resident and on which
 backend; ``spec.load()`` builds the engine. Backends import lazily: vLLM only when a
-vLLM engine is asked for. The backend is ``torch``, ``vllm``, or ``auto`` (vLLM where the
-loading process has a CUDA GPU and vllm imports, torch elsewhere) or ``openai`` (an
-OpenAI-compatible endpoint serves the model; only its tokenizer is loaded here); a spec that
-names none takes ``daskllm.engine.backend`` from the config of the process that loads it.
+vLLM engine is asked for. The backend is ``torch``, ``vllm``, ``llamacpp`` (a GGUF file on
+llama.cpp: the CPU's fast path, the ``cpu`` extra), ``auto`` (vLLM where the loading process
+has a CUDA GPU and vllm imports; else llama.cpp where it is installed and the model is a GGUF
+file; else torch) or ``openai`` (an OpenAI-compatible endpoint serves the model; only its
+tokenizer is loaded here); a spec that names none takes ``daskllm.engine.backend`` from the
+config of the process that loads it. ``llamacpp`` and ``openai`` serve LLMs: embedders and
+rerankers stay on torch (or vLLM).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from daskllm.engines.protocol import (
     SamplingParams,
     StructuredOutput,
 )
+from daskllm import models
 from daskllm.models import model_name
 
-BACKENDS = ("torch", "vllm", "auto", "openai")
+BACKENDS = ("torch", "vllm", "llamacpp", "auto", "openai")
+LLM_ONLY_BACKENDS = ("openai", "llamacpp")  # embedders and rerankers stay on the local default
 KINDS = ("llm", "embed", "rerank")
 
 
@@ -38,7 +43,7 @@ class EngineSpec:
 
     model: str
     name: str | None = None  # what tasks call it; default: the recipe name or directory name
-    backend: str | None = None  # torch, vllm, auto, openai; None: daskllm.engine.backend
+    backend: str | None = None  # torch, vllm, llamacpp, auto, openai; None: daskllm.engine.backend
     kind: str = "llm"  # llm (generate/prefill), embed, or rerank
     options: Mapping[str, Any] = field(default_factory=dict)  # passed to the engine constructor
 
@@ -67,13 +72,14 @@ class EngineSpec:
                backend: str | None = None, llm_options: Mapping | None = None) -> list[EngineSpec]:
         """Specs for the models, embedders and rerankers a worker keeps resident (names, dicts or
         specs); ``backend`` applies to specs that name none, ``llm_options`` to every LLM spec's
-        options that it does not set itself. ``openai`` applies to LLMs only: embedders and
-        rerankers stay on the configured local backend."""
+        options that it does not set itself. ``openai`` and ``llamacpp`` apply to LLMs only:
+        embedders and rerankers stay on the configured local backend."""
         specs = ([cls.parse(m, "llm") for m in models] + [cls.parse(m, "embed") for m in embedders]
                  + [cls.parse(m, "rerank") for m in rerankers])
         out = []
         for spec in specs:
-            if backend is not None and spec.backend is None and (backend != "openai" or spec.kind == "llm"):
+            if backend is not None and spec.backend is None and (backend not in LLM_ONLY_BACKENDS
+                                                                 or spec.kind == "llm"):
                 spec = dataclasses.replace(spec, backend=backend)
             if llm_options and spec.kind == "llm":
                 spec = dataclasses.replace(spec, options={**llm_options, **spec.options})
@@ -93,7 +99,20 @@ class EngineSpec:
             from daskllm.engines.vllm import unavailable_reason  # here: vllm is imported only where it may serve
 
             backend = "torch" if unavailable_reason() else "vllm"
+            if backend == "torch" and self.kind == "llm" and self._has_gguf():
+                from daskllm.engines.llamacpp import unavailable_reason as no_llamacpp
+
+                backend = "torch" if no_llamacpp() else "llamacpp"
+        if backend == "llamacpp" and self.kind != "llm":
+            backend = "torch"  # llama.cpp here serves LLMs; embedders and rerankers run on torch
         return backend
+
+    def _has_gguf(self) -> bool:
+        try:
+            models.resolve_gguf(self.model)
+        except (models.ModelNotFoundError, OSError):
+            return False
+        return True
 
     def load(self, **defaults) -> Engine:
         """Build the engine; ``defaults`` are options the spec does not set itself.
@@ -127,6 +146,10 @@ class EngineSpec:
             from daskllm.engines.vllm import VLLMEngine
 
             return VLLMEngine(self.model, name=self.engine_name, **options)
+        if backend == "llamacpp":
+            from daskllm.engines.llamacpp import LlamaCppEngine
+
+            return LlamaCppEngine(self.model, name=self.engine_name, **options)
         from daskllm.engines.torch_engine import TorchEngine
 
         return TorchEngine(self.model, name=self.engine_name, **options)

@@ -57,6 +57,17 @@ class Sequence:
         return len(self.token_ids) if self.prefill_only else len(self.token_ids) - 1
 
 
+def queue_by_priority(waiting: deque[Sequence], seq: Sequence) -> None:
+    """Queue ``seq`` behind every waiting sequence of the same or a lower priority value."""
+    if not waiting or waiting[-1].priority <= seq.priority:
+        waiting.append(seq)  # the common case: O(1)
+        return
+    at = len(waiting)
+    while at and waiting[at - 1].priority > seq.priority:
+        at -= 1
+    waiting.insert(at, seq)
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  copy_rows: Callable[[int, int, int], None] | None = None):
@@ -72,13 +83,7 @@ class Scheduler:
     def add(self, arrived) -> None:
         """Queue newly arrived sequences: behind every waiting one of the same or a lower priority value."""
         for seq in arrived:
-            if not self.waiting or self.waiting[-1].priority <= seq.priority:
-                self.waiting.append(seq)  # the common case: O(1)
-                continue
-            at = len(self.waiting)
-            while at and self.waiting[at - 1].priority > seq.priority:
-                at -= 1
-            self.waiting.insert(at, seq)
+            queue_by_priority(self.waiting, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
