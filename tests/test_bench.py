@@ -177,3 +177,48 @@ def test_tasks_window_spans_the_first_start_to_the_last_stop():
               {"startstops": [{"action": "compute", "start": 2.5, "stop": 4.5}]}]
     assert tasks_window(stream) == 2.5
     assert tasks_window([]) == 0.0
+
+
+def test_engine_benchmark_ratios_pair_repetitions():
+    import engine
+
+    results = {e: {"decode": [{"rep": rep, "batch": b, "tokens_per_s": v}
+                              for rep, b, v in rows]}
+               for e, rows in {"llamacpp": [(0, 1, 10.0), (0, 32, 40.0), (1, 1, 20.0), (1, 32, 60.0)],
+                               "transformers": [(0, 1, 5.0), (0, 32, 20.0), (1, 1, 5.0)]}.items()}
+    # per-repetition ratios, then their median: (4 + 3) / 2
+    assert engine.decode_ratio(results, ("llamacpp", 32), ("llamacpp", 1)) == pytest.approx(3.5)
+    # only repetitions that measured both sides count
+    assert engine.decode_ratio(results, ("llamacpp", 32), ("transformers", 32)) == pytest.approx(2.0)
+    assert engine.decode_ratio(results, ("torch", 1), ("transformers", 1)) is None
+    results["llamacpp"]["summary"] = {"prefix_speedup": 4.0}
+    args = engine.parse_args(["--batch-sizes", "1", "32"])
+    found = {r["ratio"]: r for r in engine.ratios(results, args)}
+    assert found["llamacpp decode@32 / decode@1"]["met"] is True
+    assert found["llamacpp TTFT cold / warm prefix"]["met"] is False
+    assert found["llamacpp / transformers decode@1"]["target"] is None
+    assert not any(name.startswith("torch") for name in found)
+    assert engine._common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+@pytest.mark.slow
+def test_engine_benchmark_quick_mode_measures_engines_side_by_side(tmp_path, daskllm_cache):
+    out = tmp_path / "engine.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["args"]["model"] == "tiny" and list(report["engines"]) == ["torch", "transformers"]
+    for name, result in report["engines"].items():
+        s = result["summary"]
+        assert s["prefill_tokens_per_s"] > 0 and s["cold_ttft_s"] > 0, name
+        assert set(s["decode_tokens_per_s"]) == {"1", "8"} and all(v > 0 for v in s["decode_tokens_per_s"].values())
+        assert all(x["generated_tokens"] == x["batch"] * 8 for x in result["decode"])
+    torch_summary = report["engines"]["torch"]["summary"]
+    assert torch_summary["warm_ttft_s"] > 0 and torch_summary["cold_num_cached_tokens"] == [0]
+    assert torch_summary["warm_num_cached_tokens"] == [128]
+    # the torch engine is batch-invariant by construction
+    assert torch_summary["agreement"]["identical"] == 16
+    assert report["engines"]["transformers"]["summary"]["warm_ttft_s"] is None  # no prefix cache
+    assert {"torch / transformers decode@1", "torch / transformers decode@8"} <= {r["ratio"] for r in report["ratios"]}
+    assert "| measurement | torch | transformers |" in done.stdout and "no prefix cache" in done.stdout
