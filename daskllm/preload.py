@@ -6,12 +6,15 @@
 makes sense:
 
 ``--daskllm-model NAME_OR_DIR``   an LLM: a recipe name or a local Hugging Face model directory
+                                   (or, on llamacpp, a .gguf file)
 ``--daskllm-embedder NAME_OR_DIR``  an embedding model (e.g. all-MiniLM-L6-v2)
 ``--daskllm-reranker NAME_OR_DIR``  a reranker: a cross-encoder directory, or an embedding
                                    model for a bi-encoder (sharing the embedder's weights)
-``--daskllm-backend torch|vllm|auto|openai``  the engine backend for those models (default:
-                                   ``daskllm.engine.backend``, torch); auto = vLLM if this
-                                   worker has a CUDA GPU and vllm imports; openai = an
+``--daskllm-backend torch|vllm|llamacpp|auto|openai``  the engine backend for those models (default:
+                                   ``daskllm.engine.backend``, torch); llamacpp = the GGUF
+                                   file on llama.cpp (the cpu extra); auto = vLLM if this
+                                   worker has a CUDA GPU and vllm imports, else llama.cpp
+                                   for a GGUF model where installed, else torch; openai = an
                                    OpenAI-compatible endpoint (``--daskllm-option base_url=...``)
 ``--daskllm-option KEY=VALUE``    an engine option, e.g. ``kv_cache_tokens=8192``
 ``--daskllm-threads N``           torch threads for the engine (default: all cores)

@@ -1,0 +1,120 @@
+"""The llama.cpp engine (backend ``llamacpp``) beyond the protocol suite it also passes
+(tests/test_engine_protocol.py): prefix sharing inside one step, choosing it, loading GGUF
+files, and a reference pipeline through a real cluster of llama.cpp workers.
+
+It runs the shipped SmolLM2 GGUF file. Skipped where llama-cpp-python is not installed
+(``make cpu``; CI installs it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import daskllm
+from daskllm import models
+from daskllm.engines import EngineSpec, SamplingParams
+from daskllm.engines.llamacpp import unavailable_reason
+
+pytestmark = pytest.mark.skipif(bool(unavailable_reason()), reason=str(unavailable_reason()))
+
+TIMEOUT = 120
+SYSTEM = ("You are a concise assistant for a public library. Answer in one short sentence, name the "
+          "shelf or the service when you can, and never invent opening hours or prices.")
+QUESTIONS = ["Where are the atlases?", "Can I renew a book online?", "Do you lend laptops?",
+             "Where is the quiet reading room?", "How do I get a library card?", "Are there comics for teens?",
+             "Can I print a document here?", "Where do I return books after hours?"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = EngineSpec(model="smollm2", backend="llamacpp").load(kv_cache_tokens=4096, num_threads=2)
+    yield eng
+    eng.close()
+
+
+def _chats(engine, questions=QUESTIONS) -> list[str]:
+    return [engine.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in questions]
+
+
+def test_a_shared_system_prompt_is_computed_once_in_one_step(engine):
+    prompts = _chats(engine)
+    ids = [engine.tokenize(p) for p in prompts]
+    shared = 0
+    while all(i[shared] == ids[0][shared] for i in ids):
+        shared += 1
+    assert shared > 2 * engine.block_size
+    engine.reset_prefix_cache()
+    before = engine.stats()
+    out = engine.generate(prompts, SamplingParams(max_tokens=4))
+    after = engine.stats()
+    # The first computes the shared blocks; the others wait one step and start from them.
+    cached = (shared // engine.block_size) * engine.block_size
+    assert [c.num_cached_tokens for c in out] == [0] + [cached] * (len(prompts) - 1)
+    assert after.prefill_tokens_computed - before.prefill_tokens_computed == sum(map(len, ids)) - cached * 7
+    assert after.max_batch_size >= len(prompts) - 1
+
+
+def test_auto_picks_llamacpp_for_gguf_models_on_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine auto may pick vLLM")
+    assert EngineSpec(model="smollm2", backend="auto").resolved_backend() == "llamacpp"
+    assert EngineSpec(model="tiny", backend="auto").resolved_backend() == "torch"  # no GGUF file
+    # llama.cpp serves LLMs here; embedders stay on torch
+    assert EngineSpec(model="all-MiniLM-L6-v2", kind="embed", backend="llamacpp").resolved_backend() == "torch"
+    specs = EngineSpec.expand(["smollm2"], ["all-MiniLM-L6-v2"], backend="llamacpp")
+    assert [s.backend for s in specs] == ["llamacpp", None]
+
+
+def test_gguf_files_and_directories(tmp_path):
+    shipped = models.resolve_gguf("smollm2")
+    assert shipped.suffix == ".gguf" and shipped.is_file()
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / shipped.name).symlink_to(shipped)
+    assert models.resolve_gguf(one) == shipped.resolve()
+    assert models.resolve_gguf(one / shipped.name) == shipped.resolve()
+    assert models.model_name(str(one / shipped.name)) == shipped.stem
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (two / name).symlink_to(shipped)
+    with pytest.raises(models.ModelNotFoundError, match="2 .gguf files"):
+        models.resolve_gguf(two)
+    with pytest.raises(models.ModelNotFoundError, match="no GGUF file"):
+        EngineSpec(model="tiny", backend="llamacpp").load()
+    with pytest.raises(models.ModelNotFoundError, match="not a GGUF file"):
+        models.resolve_gguf(tmp_path / "missing.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_reference_pipeline_through_a_cluster_of_llamacpp_workers(llm_cluster):
+    from pipelines import registry
+    from pipelines.data import Inputs
+    from pipelines.ops import NAIVE, Lazy, plain
+
+    from daskllm.worker import PLUGIN_NAME
+
+    inputs = Inputs(["How do I renew a book?", "Where are the maps?", "Can I borrow a laptop?",
+                     "What is interlibrary loan?"])
+    pipelines = registry()
+
+    async def engine_kind(dask_worker):
+        plugin = dask_worker.plugins[PLUGIN_NAME]
+        await plugin.loaded()
+        return type(plugin.engines["llm"]["smollm2"]).__name__
+
+    with llm_cluster(models=[{"model": "smollm2", "backend": "llamacpp"}], embedders=(), rerankers=(),
+                     n_workers=2) as client:
+        assert set(client.run(engine_kind).values()) == {"LlamaCppEngine"}
+        for name in ("w2", "mapred"):
+            build = lambda: pipelines[name](inputs, Lazy("smollm2", chat=True), max_tokens=8)  # noqa: E731
+            with daskllm.usage() as usage:
+                optimized = plain(daskllm.compute(build(), result_cache=False)[0])
+            naive = plain(daskllm.compute(build(), **NAIVE)[0])
+            assert optimized == naive, name
+            assert len(optimized) == len(inputs) and all(str(a).strip() for a in optimized)
+            assert usage.executed["generate"] >= len(inputs)
