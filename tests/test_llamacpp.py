@@ -107,6 +107,9 @@ def test_a_reference_pipeline_through_a_cluster_of_llamacpp_workers(llm_cluster)
         await plugin.loaded()
         return type(plugin.engines["llm"]["smollm2"]).__name__
 
+    async def mean_batch(dask_worker):
+        return dask_worker.plugins[PLUGIN_NAME].engines["llm"]["smollm2"].stats().mean_batch_size
+
     with llm_cluster(models=[{"model": "smollm2", "backend": "llamacpp"}], embedders=(), rerankers=(),
                      n_workers=2) as client:
         assert set(client.run(engine_kind).values()) == {"LlamaCppEngine"}
@@ -115,6 +118,10 @@ def test_a_reference_pipeline_through_a_cluster_of_llamacpp_workers(llm_cluster)
             with daskllm.usage() as usage:
                 optimized = plain(daskllm.compute(build(), result_cache=False)[0])
             naive = plain(daskllm.compute(build(), **NAIVE)[0])
-            assert optimized == naive, name
-            assert len(optimized) == len(inputs) and all(str(a).strip() for a in optimized)
+            # Not compared token for token: llama.cpp is not batch-invariant (docs/engine.md).
+            for answers in (optimized, naive):
+                assert len(answers) == len(inputs) and all(isinstance(a, str) and a.strip() for a in answers), name
             assert usage.executed["generate"] >= len(inputs)
+            assert usage.decode_tokens > 0
+        batches = client.run(mean_batch)
+        assert max(batches.values()) > 1  # the engines batched requests of different tasks
