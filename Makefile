@@ -19,12 +19,10 @@ $(STAMP): pyproject.toml Makefile
 
 # The optional llama.cpp engine (backend "llamacpp"): builds llama-cpp-python from source the
 # first time (about 7 minutes on 2 cores; pip caches the wheel). .ci/run installs it.
-# Without llamafile's sgemm every matrix row goes through one kernel whatever the batch size,
-# which makes batched greedy decoding equal decoding alone (docs/engine.md).
 cpu: $(VENV)/.cpu-installed
 
 $(VENV)/.cpu-installed: $(STAMP)
-	CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" $(PY) -m pip install -q 'llama-cpp-python==0.3.36'
+	$(PY) -m pip install -q 'llama-cpp-python==0.3.36'
 	touch $@
 
 demo: $(STAMP)
