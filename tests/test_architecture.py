@@ -101,6 +101,7 @@ DEFERRED = {
     ("daskllm.engines", "daskllm.engines.torch_engine"),  # torch: loaded where an LLM engine is built
     ("daskllm.engines", "daskllm.engines.vllm"),  # vllm: CUDA workers only
     ("daskllm.engines", "daskllm.engines.remote"),  # openai client: only where a remote engine is built
+    ("daskllm.engines", "daskllm.engines.llamacpp"),  # llama-cpp-python: only where a llama.cpp engine is built
     ("daskllm.engines", "daskllm.engines.embedder"),  # torch
     ("daskllm.engines", "daskllm.engines.reranker"),  # torch
     ("daskllm.engines.reranker", "daskllm.engines.vllm"),
