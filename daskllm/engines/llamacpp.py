@@ -29,6 +29,7 @@ among others can differ from the same sequence alone (docs/engine.md says how of
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from daskllm import config, models
-from daskllm.engines.kv_cache import ROOT_HASH, hash_block
+from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
 from daskllm.engines.protocol import CacheState, EngineStats, PrefillHandle, RequestError
 from daskllm.engines.scheduler import Sequence, queue_by_priority
 from daskllm.engines.stepping import SteppingEngine
@@ -191,7 +192,7 @@ class LlamaCppEngine(SteppingEngine):
 
     def stats(self) -> EngineStats:
         with self._state:
-            s = EngineStats(**{k: getattr(self._stats, k) for k in EngineStats.__dataclass_fields__})
+            s = dataclasses.replace(self._stats)
             s.running = len(self._running)
             s.waiting = len(self._waiting) + len(self._inbox)
             s.cache_blocks_used = self._blocks_in_use()
@@ -259,7 +260,7 @@ class LlamaCppEngine(SteppingEngine):
     # --- slots and prefixes ---------------------------------------------------------------------
 
     def _evict(self, slot: int) -> None:
-        """Drop a kept slot: its cells go, except those other slots share."""
+        """Drop a slot (kept, or a preempted sequence's): its cells go, except those other slots share."""
         self._lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
         self._kept.pop(slot, None)
         self._forget_chain(slot)
@@ -278,13 +279,20 @@ class LlamaCppEngine(SteppingEngine):
                     del self._holders[h]
                     self._evicted_blocks += 1
 
+    def _next_blocks(self, slot: int, token_ids: list[int], num_computed: int) -> list[int]:
+        """Hashes of the full blocks ``slot`` completes up to ``num_computed``, past those it has named."""
+        chain = self._chains.get(slot, [])
+        bs, parent, out = self.block_size, chain[-1] if chain else ROOT_HASH, []
+        for idx in range(len(chain), num_computed // bs):
+            parent = hash_block(parent, token_ids[idx * bs:(idx + 1) * bs])
+            out.append(parent)
+        return out
+
     def _register(self, slot: int, token_ids: list[int], num_computed: int) -> None:
         """Name the full blocks ``slot`` holds, so later prompts can start from them."""
-        chain = self._chains.setdefault(slot, [])
-        bs = self.block_size
-        for idx in range(len(chain), num_computed // bs):
-            h = hash_block(chain[-1] if chain else ROOT_HASH, token_ids[idx * bs:(idx + 1) * bs])
-            chain.append(h)
+        new = self._next_blocks(slot, token_ids, num_computed)
+        self._chains.setdefault(slot, []).extend(new)
+        for h in new:
             self._holders.setdefault(h, set()).add(slot)
 
     def _longest_prefix(self, token_ids: list[int], limit: int, chain: list[int]) -> tuple[int | None, int]:
@@ -324,13 +332,6 @@ class LlamaCppEngine(SteppingEngine):
             seq.num_cached = min(length, seq.num_prompt_tokens)
             self._cached_tokens += seq.num_cached
 
-    def _full_chain(self, token_ids: list[int], limit: int) -> list[int]:
-        chain, parent, bs = [], ROOT_HASH, self.block_size
-        for idx in range(limit // bs):
-            parent = hash_block(parent, token_ids[idx * bs:(idx + 1) * bs])
-            chain.append(parent)
-        return chain
-
     # --- the step ----------------------------------------------------------------------------------
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
@@ -348,14 +349,13 @@ class LlamaCppEngine(SteppingEngine):
             budget -= n
         # Blocks this step computes: a waiting prompt whose next block is among them waits one
         # step and then shares it, rather than computing it a second time.
-        computing = set()
-        for seq, n in step:
-            computing.update(self._full_chain(seq.token_ids, seq.num_computed + n)[seq.num_computed // self.block_size:])
+        computing = {h for seq, n in step for h in self._next_blocks(self._slot_of[seq], seq.token_ids,
+                                                                     seq.num_computed + n)}
         deferred = []
         while self._waiting and not self._cache_full and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
             limit = len(seq.token_ids) if seq.prefill_only else len(seq.token_ids) - 1
-            chain = self._full_chain(seq.token_ids, limit)
+            chain = block_hashes(seq.token_ids, self.block_size, limit)
             depth = next((i for i, h in enumerate(chain) if h not in self._holders), len(chain))
             if depth < len(chain) and chain[depth] in computing:
                 deferred.append(self._waiting.popleft())
@@ -443,10 +443,7 @@ class LlamaCppEngine(SteppingEngine):
                                          f"engine {self.name!r} ({self.n_ctx} tokens)"))
             return
         victim = self._running.pop()
-        slot = self._slot_of.pop(victim)
-        self._lc.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        self._forget_chain(slot)
-        self._free_slots.append(slot)
+        self._evict(self._slot_of.pop(victim))
         victim.num_computed = 0
         self._waiting.appendleft(victim)
         self._preemptions += 1
