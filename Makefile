@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean cpu
+.PHONY: demo test test-fast bench clean cpu
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -18,18 +18,27 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 # The optional llama.cpp engine (backend "llamacpp"): builds llama-cpp-python from source the
-# first time (about 7 minutes on 2 cores; pip caches the wheel). .ci/run installs it.
+# first time (about 7 minutes on 2 cores; pip caches the wheel). .ci/run installs it. Where a
+# checkout has ../shared/wheels beside it (this project's CI), pip takes the wheel built there
+# instead of building; elsewhere it builds as above.
+WHEELS ?= ../shared/wheels
 cpu: $(VENV)/.cpu-installed
 
 $(VENV)/.cpu-installed: $(STAMP)
-	$(PY) -m pip install -q 'llama-cpp-python==0.3.36'
+	$(PY) -m pip install -q $(if $(wildcard $(WHEELS)/llama_cpp_python-*.whl),--find-links $(WHEELS)) 'llama-cpp-python==0.3.36'
 	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/daskllm demo
 
+# Two test processes (pytest-xdist): tests often wait on subprocesses and clusters, leaving a
+# core idle; a module's tests stay in one process (tests/conftest.py, test_group).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
+
+# The fast tier: no cluster, no subprocess CLI, no model run end to end.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/engine.py

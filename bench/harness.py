@@ -1,7 +1,7 @@
 """The benchmark harness: the papers' pipelines under daskllm and its baselines, side by side.
 
     python bench/harness.py --pipelines w2,trading --queries 32 --model small --json harness.json
-    python bench/harness.py --quick                 # every pipeline, tiny model, 4 queries, one repetition
+    python bench/harness.py --quick                 # every pipeline, tiny model, 4 queries, one repetition, small index
     daskllm bench --pipelines factool --queries 16  # the same, from a source checkout
 
 Systems, all on the same cluster and the same resident engines, so only orchestration differs:
@@ -66,14 +66,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--source", default="auto", help="questions: auto, stdlib, hotpotqa, parallelqa, movies")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 4 queries, 4 tokens, one repetition")
+    parser.add_argument("--index-docs", type=int, default=2000, help="documentation passages in the search index")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, 4 queries, 4 tokens, one repetition, an index of 200 passages")
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--plot", help="write a speedup chart (PNG) here")
     parser.add_argument("--attribution", help="also attribute each run's time (Dask spans, engine counters); "
                         "write a stacked-bar chart (PNG) of it here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.queries, args.max_tokens, args.repeats = "tiny", 4, 4, 1
+        args.model, args.queries, args.max_tokens, args.repeats, args.index_docs = "tiny", 4, 4, 1, 200
     if args.model is None:
         import daskllm
 
@@ -334,7 +336,7 @@ def main(argv=None) -> int:
     results = []
     with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, threads_per_worker=args.threads,
                                  dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-        inputs = make_inputs(client, args.queries, source=args.source)
+        inputs = make_inputs(client, args.queries, source=args.source, index_docs=args.index_docs)
         cost = costs(client, models)
         log(f"engine costs (best of workers): {json.dumps(cost)}")
         for name in args.pipeline_names:

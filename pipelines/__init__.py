@@ -47,6 +47,7 @@ def main(pipelines: dict, argv=None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--source", default="auto", help="questions: auto, stdlib, hotpotqa, parallelqa, movies")
+    parser.add_argument("--index-docs", type=int, default=2000, help="documentation passages in the search index")
     args = parser.parse_args(argv)
 
     two = args.pipeline in TWO_MODELS and args.model2 is not None
@@ -55,7 +56,7 @@ def main(pipelines: dict, argv=None) -> None:
     with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         print(f"dashboard: {cluster.dashboard_link}")
-        inputs = make_inputs(client, args.queries, source=args.source)
+        inputs = make_inputs(client, args.queries, source=args.source, index_docs=args.index_docs)
         nodes = pipelines[args.pipeline](inputs, **config)
         start = time.perf_counter()
         with daskllm.usage() as usage:

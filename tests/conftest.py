@@ -24,6 +24,31 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(CLUSTER_MARK)
 
 
+# Under pytest-xdist (`make test` runs `-n 2`), a module's tests go to one process, so they
+# share its module-scoped clusters and engines; test_docs' block runs go by document, so a chain
+# of blocks ("continues") shares its one run. (xdist's own --dist loadgroup does not work with
+# pytest >= 9.2: it renames Item._nodeid, which pytest no longer reads.)
+DOCS_RUNS = "tests/test_docs.py::test_python_block_runs["
+
+
+def test_group(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or for a docs block run, its document."""
+    if nodeid.startswith(DOCS_RUNS):
+        return "docs:" + nodeid[len(DOCS_RUNS):].rsplit(":", 1)[0]
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: known only where xdist is installed
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return ByGroup(config, log)
+
+
 @pytest.fixture(scope="session")
 def daskllm_cache(request, tmp_path_factory) -> Iterator[str]:
     """One model/corpus cache for the session and its children.
@@ -70,6 +95,33 @@ def result_store_off(tmp_path_factory) -> Iterator[None]:
         monkeypatch.setenv("DASK_DASKLLM__RESULT_STORE__PATH", path)
         with dask.config.set({"daskllm.result-store.enabled": False, "daskllm.result-store.path": path}):
             yield
+
+
+# What a cluster worker imports before it can load an engine (about 5 s of CPU each, measured:
+# distributed, daskllm, torch and transformers' model classes).
+WORKER_IMPORTS = ("distributed", "daskllm", "daskllm.worker", "daskllm.engines.torch_engine",
+                  "daskllm.engines.embedder", "daskllm.engines.reranker", "transformers.modeling_utils",
+                  "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama",
+                  "transformers.models.bert.modeling_bert")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def workers_fork_from_a_preloaded_server(daskllm_cache, mechanics_use_tiny, result_store_off) -> Iterator[None]:
+    """The clusters this session starts fork their workers from one server process that has
+    imported what a worker needs, instead of spawning fresh interpreters that each import it
+    again (Dask's own test suite does the same for distributed). Still one process per worker.
+
+    Set after the session's environment variables, which the server passes on; a test that
+    sets a variable for its cluster's workers sets Dask config too (workers get the client's
+    config whatever the start method)."""
+    import multiprocessing
+
+    from distributed.utils import get_mp_context
+
+    with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
+        get_mp_context()  # distributed's own preload list, set once: replaced here
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_IMPORTS))
+        yield
 
 
 @pytest.fixture(scope="session")

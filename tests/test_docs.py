@@ -17,6 +17,11 @@ A block may be preceded, on the line right before its fence, by one marker:
     runs after the previous ```python block of the same file, as one program (that block's
     own program first, so chains work): for a block using names an earlier one defined.
 
+A chain of blocks joined by ``continues`` runs once, as one program, with a line written after
+each block: a block passes when its line is written (the chain's last block: and the program
+exits 0), so each block keeps its own test without the chain's first blocks running once per
+block that continues them.
+
 In ```bash / ```console blocks, every ``daskllm ...`` command is checked without running it:
 ``daskllm <the same arguments> --help`` must succeed (so the subcommands and options exist) and
 print every option the command uses.
@@ -58,6 +63,7 @@ class Block:
     marker: str | None = None
     reason: str | None = None
     previous: Block | None = None  # the previous python block of the same file
+    following: Block | None = None  # the python block that continues this one
 
     @property
     def id(self) -> str:
@@ -68,6 +74,16 @@ class Block:
         if self.marker == "continues" and self.previous is not None:
             return f"{self.previous.program()}\n\n# --- {self.id} ---\n{self.code}"
         return self.code
+
+    def chain(self) -> list[Block]:
+        """The blocks joined to this one by ``continues``, first to last."""
+        head = self
+        while head.marker == "continues" and head.previous is not None:
+            head = head.previous
+        blocks = [head]
+        while blocks[-1].following is not None:
+            blocks.append(blocks[-1].following)
+        return blocks
 
     def skip_reason(self) -> str | None:
         if self.marker == "skip":
@@ -116,6 +132,8 @@ def _parse(doc: pathlib.Path) -> list[Block]:
                 PROBLEMS.append(f"{block.id}: 'continues' needs a python block after another python block")
         if block.lang == "python":
             block.previous = previous_python
+            if block.marker == "continues" and previous_python is not None:
+                previous_python.following = block
             previous_python = block
         blocks.append(block)
     return blocks
@@ -126,7 +144,9 @@ PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
 def _param(block: Block):
-    marks = [pytest.mark.slow] if _SLOW.search(block.program()) else []
+    # A chain's blocks share one run (under pytest-xdist, conftest.test_group keeps a document's
+    # blocks in one process).
+    marks = [pytest.mark.slow] if any(_SLOW.search(b.code) for b in block.chain()) else []
     return pytest.param(block, id=block.id, marks=marks)
 
 
@@ -237,18 +257,50 @@ def _tail(text: str, n: int = 6000) -> str:
     return text if len(text) <= n else f"[... {len(text) - n} characters ...]\n{text[-n:]}"
 
 
+def _done_line(block: Block) -> str:
+    return f"[docs-test] done {block.id}"
+
+
+def _chain_program(chain: list[Block]) -> str:
+    """The chain's blocks as one program, each followed by its done line (written straight to
+    the output's file descriptor, whatever the block did with sys.stdout)."""
+    parts = []
+    for b in chain:
+        line = ("\n" + _done_line(b) + "\n").encode()
+        parts.append(f"# --- {b.id} ---\n{b.code}\n__import__('os').write(1, {line!r})\n")
+    return "\n\n".join(parts)
+
+
+@dataclasses.dataclass
+class ChainRun:
+    code: int | None  # None: killed at the timeout
+    out: str
+    err: str
+
+
+_CHAIN_RUNS: dict[str, ChainRun] = {}  # by the chain's first block
+
+
 @pytest.mark.timeout(BLOCK_TIMEOUT + 60)
 @pytest.mark.parametrize("block", [_param(b) for b in PYTHON])
 def test_python_block_runs(block: Block, daskllm_cache, smollm2_model_dir, tmp_path):
     reason = block.skip_reason()
     if reason:
         pytest.skip(reason)
-    env = {k: v for k, v in os.environ.items() if k != "DASK_DASKLLM__MODEL"}
-    env["DASKLLM_CACHE_DIR"] = daskllm_cache
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    code, out, err = _run(block.program(), tmp_path, env, BLOCK_TIMEOUT)
-    status = f"did not finish in {BLOCK_TIMEOUT} s" if code is None else f"exited {code}"
-    assert code == 0, f"{block.id} {status}\n--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}"
+    chain = block.chain()
+    run = _CHAIN_RUNS.get(chain[0].id)
+    if run is None:
+        env = {k: v for k, v in os.environ.items() if k != "DASK_DASKLLM__MODEL"}
+        env["DASKLLM_CACHE_DIR"] = daskllm_cache
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        run = _CHAIN_RUNS[chain[0].id] = ChainRun(*_run(_chain_program(chain), tmp_path, env, BLOCK_TIMEOUT))
+    done = _done_line(block) in run.out.splitlines()
+    if done and (block is not chain[-1] or run.code == 0):
+        return
+    failed = next((b for b in chain if _done_line(b) not in run.out.splitlines()), chain[-1])
+    status = f"did not finish in {BLOCK_TIMEOUT} s" if run.code is None else f"exited {run.code}"
+    where = "" if failed is block else f", in {failed.id}, which this block continues"
+    pytest.fail(f"{block.id} {status}{where}\n--- stdout ---\n{_tail(run.out)}\n--- stderr ---\n{_tail(run.err)}")
 
 
 # ---------------------------------------------------------------------------------------------

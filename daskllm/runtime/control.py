@@ -16,7 +16,10 @@ def cold_start(client, timeout: float = 30) -> None:
     caches is empty too."""
 
     def leftovers(dask_scheduler):
-        return sum(1 for ts in dask_scheduler.tasks.values() if not ts.who_wants)
+        # Only tasks that hold or will produce a value: a failed computation leaves its erred
+        # tasks and their released neighbours in the scheduler for good, with nothing to reuse.
+        return sum(1 for ts in dask_scheduler.tasks.values()
+                   if not ts.who_wants and ts.state in ("memory", "processing", "waiting", "queued", "no-worker"))
 
     deadline = time.monotonic() + timeout
     while client.run_on_scheduler(leftovers) and time.monotonic() < deadline:
