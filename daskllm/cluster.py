@@ -42,6 +42,31 @@ DASHBOARD_ADDRESS = "127.0.0.1:8787"
 NO_MALLOC_TRIM = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
 
 
+# What a CPU worker imports before it can load its engines: about 5 s of CPU per worker
+# (measured), paid once by a forkserver that every worker (and every restart) forks from.
+WORKER_IMPORTS = ("distributed", "daskllm", "daskllm.worker", "daskllm.engines.torch_engine",
+                  "daskllm.engines.embedder", "daskllm.engines.reranker", "transformers.modeling_utils",
+                  "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama",
+                  "transformers.models.bert.modeling_bert")
+
+
+def fork_workers_from_preloaded_server() -> None:
+    """Dask's nannies in this process start workers from a forkserver that has imported
+    WORKER_IMPORTS, instead of spawning interpreters that each import them again (Dask's own
+    test suite does the same for distributed). Each worker is still a process of its own.
+
+    The server starts with the first worker and keeps the environment it had then: clusters
+    pass their workers the current one (LocalLLMCluster's ``env``). Not for GPU workers: CUDA
+    and vLLM's engine processes want fresh interpreters."""
+    import multiprocessing
+
+    from distributed.utils import get_mp_context
+
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    get_mp_context()  # distributed's own preload list, set once: replaced by ours
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_IMPORTS))
+
+
 def discover_gpus() -> list[str]:
     """GPU ids this process may use: CUDA_VISIBLE_DEVICES if set, else every device NVML sees."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -112,6 +137,10 @@ class LocalLLMCluster(LocalCluster):
         if not self.gpus:
             defaults.setdefault("num_threads", default_num_threads(n_workers))
         kwargs.setdefault("processes", True)
+        if kwargs["processes"] and not self.gpus:
+            fork_workers_from_preloaded_server()
+            # A forked worker has the server's environment: give it this process's, as a spawned one gets.
+            kwargs["env"] = {**os.environ, **(kwargs.get("env") or {})}
         kwargs.setdefault("dashboard_address", DASHBOARD_ADDRESS)  # an address given (or None) is used as is
         # Engine threads compute; Dask threads mostly wait on the engine, so a few per worker
         # let concurrent tasks feed one batch.

@@ -97,33 +97,6 @@ def result_store_off(tmp_path_factory) -> Iterator[None]:
             yield
 
 
-# What a cluster worker imports before it can load an engine (about 5 s of CPU each, measured:
-# distributed, daskllm, torch and transformers' model classes).
-WORKER_IMPORTS = ("distributed", "daskllm", "daskllm.worker", "daskllm.engines.torch_engine",
-                  "daskllm.engines.embedder", "daskllm.engines.reranker", "transformers.modeling_utils",
-                  "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama",
-                  "transformers.models.bert.modeling_bert")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def workers_fork_from_a_preloaded_server(daskllm_cache, mechanics_use_tiny, result_store_off) -> Iterator[None]:
-    """The clusters this session starts fork their workers from one server process that has
-    imported what a worker needs, instead of spawning fresh interpreters that each import it
-    again (Dask's own test suite does the same for distributed). Still one process per worker.
-
-    Set after the session's environment variables, which the server passes on; a test that
-    sets a variable for its cluster's workers sets Dask config too (workers get the client's
-    config whatever the start method)."""
-    import multiprocessing
-
-    from distributed.utils import get_mp_context
-
-    with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
-        get_mp_context()  # distributed's own preload list, set once: replaced here
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_IMPORTS))
-        yield
-
-
 @pytest.fixture(scope="session")
 def smollm2_model_dir(daskllm_cache) -> pathlib.Path:
     """The real model, SmolLM2-135M-Instruct, converted once into the shared cache."""
