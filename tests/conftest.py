@@ -25,16 +25,18 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 # Under pytest-xdist (`make test` runs `-n 2`), a module's tests go to one process, so they
-# share its module-scoped clusters and engines; test_docs' block runs go by document, so a chain
-# of blocks ("continues") shares its one run. (xdist's own --dist loadgroup does not work with
+# share its module-scoped clusters and engines; test_docs' block runs go by chain, so blocks
+# joined by "continues" share their one run. (xdist's own --dist loadgroup does not work with
 # pytest >= 9.2: it renames Item._nodeid, which pytest no longer reads.)
 DOCS_RUNS = "tests/test_docs.py::test_python_block_runs["
 
 
 def test_group(nodeid: str) -> str:
-    """The xdist work unit of a test: its module, or for a docs block run, its document."""
-    if nodeid.startswith(DOCS_RUNS):
-        return "docs:" + nodeid[len(DOCS_RUNS):].rsplit(":", 1)[0]
+    """The xdist work unit of a test: its module, or for a docs block run, its chain."""
+    if nodeid.startswith(DOCS_RUNS) and nodeid.endswith("]"):
+        from test_docs import chain_head
+
+        return "docs:" + chain_head(nodeid[len(DOCS_RUNS):-1])
     return nodeid.split("::", 1)[0]
 
 

@@ -141,10 +141,16 @@ def _parse(doc: pathlib.Path) -> list[Block]:
 
 BLOCKS = [block for doc in DOCS for block in _parse(doc)]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
+_HEADS = {b.id: b.chain()[0].id for b in PYTHON}
+
+
+def chain_head(block_id: str) -> str:
+    """The first block of the chain ``block_id`` is in (conftest groups a chain's tests by it)."""
+    return _HEADS.get(block_id, block_id)
 
 
 def _param(block: Block):
-    # A chain's blocks share one run (under pytest-xdist, conftest.test_group keeps a document's
+    # A chain's blocks share one run (under pytest-xdist, conftest.test_group keeps a chain's
     # blocks in one process).
     marks = [pytest.mark.slow] if any(_SLOW.search(b.code) for b in block.chain()) else []
     return pytest.param(block, id=block.id, marks=marks)
