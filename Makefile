@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(VENV)/bin/daskllm demo
 
 # Two test processes (pytest-xdist): tests often wait on subprocesses and clusters, leaving a
-# core idle; a module's tests stay in one process (tests/conftest.py, test_group).
+# core idle; a module's tests stay in one process (tests/conftest.py, xdist_unit).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items) -> None:
 DOCS_RUNS = "tests/test_docs.py::test_python_block_runs["
 
 
-def test_group(nodeid: str) -> str:
+def xdist_unit(nodeid: str) -> str:
     """The xdist work unit of a test: its module, or for a docs block run, its chain."""
     if nodeid.startswith(DOCS_RUNS) and nodeid.endswith("]"):
         from test_docs import chain_head
@@ -46,7 +46,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_group(nodeid)
+            return xdist_unit(nodeid)
 
     return ByGroup(config, log)
 

@@ -70,10 +70,20 @@ class Block:
         return f"{self.doc}:{self.line}"
 
     def program(self) -> str:
-        """The code this block runs: with ``continues``, the previous block's program first."""
-        if self.marker == "continues" and self.previous is not None:
-            return f"{self.previous.program()}\n\n# --- {self.id} ---\n{self.code}"
-        return self.code
+        """The code this block runs: with ``continues``, the previous block's program first;
+        each block is followed by its done line (written straight to the output's file
+        descriptor, whatever the block did with sys.stdout)."""
+        chain = self.chain()
+        parts = []
+        for b in chain[:chain.index(self) + 1]:
+            line = ("\n" + b.done_line + "\n").encode()
+            parts.append(f"# --- {b.id} ---\n{b.code}\n__import__('os').write(1, {line!r})\n")
+        return "\n\n".join(parts)
+
+    @property
+    def done_line(self) -> str:
+        """What the program writes once this block has run."""
+        return f"[docs-test] done {self.id}"
 
     def chain(self) -> list[Block]:
         """The blocks joined to this one by ``continues``, first to last."""
@@ -150,7 +160,7 @@ def chain_head(block_id: str) -> str:
 
 
 def _param(block: Block):
-    # A chain's blocks share one run (under pytest-xdist, conftest.test_group keeps a chain's
+    # A chain's blocks share one run (under pytest-xdist, conftest.xdist_unit keeps a chain's
     # blocks in one process).
     marks = [pytest.mark.slow] if any(_SLOW.search(b.code) for b in block.chain()) else []
     return pytest.param(block, id=block.id, marks=marks)
@@ -263,20 +273,6 @@ def _tail(text: str, n: int = 6000) -> str:
     return text if len(text) <= n else f"[... {len(text) - n} characters ...]\n{text[-n:]}"
 
 
-def _done_line(block: Block) -> str:
-    return f"[docs-test] done {block.id}"
-
-
-def _chain_program(chain: list[Block]) -> str:
-    """The chain's blocks as one program, each followed by its done line (written straight to
-    the output's file descriptor, whatever the block did with sys.stdout)."""
-    parts = []
-    for b in chain:
-        line = ("\n" + _done_line(b) + "\n").encode()
-        parts.append(f"# --- {b.id} ---\n{b.code}\n__import__('os').write(1, {line!r})\n")
-    return "\n\n".join(parts)
-
-
 @dataclasses.dataclass
 class ChainRun:
     code: int | None  # None: killed at the timeout
@@ -299,11 +295,11 @@ def test_python_block_runs(block: Block, daskllm_cache, smollm2_model_dir, tmp_p
         env = {k: v for k, v in os.environ.items() if k != "DASK_DASKLLM__MODEL"}
         env["DASKLLM_CACHE_DIR"] = daskllm_cache
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-        run = _CHAIN_RUNS[chain[0].id] = ChainRun(*_run(_chain_program(chain), tmp_path, env, BLOCK_TIMEOUT))
-    done = _done_line(block) in run.out.splitlines()
-    if done and (block is not chain[-1] or run.code == 0):
+        run = _CHAIN_RUNS[chain[0].id] = ChainRun(*_run(chain[-1].program(), tmp_path, env, BLOCK_TIMEOUT))
+    written = set(run.out.splitlines())
+    if block.done_line in written and (block is not chain[-1] or run.code == 0):
         return
-    failed = next((b for b in chain if _done_line(b) not in run.out.splitlines()), chain[-1])
+    failed = next((b for b in chain if b.done_line not in written), chain[-1])
     status = f"did not finish in {BLOCK_TIMEOUT} s" if run.code is None else f"exited {run.code}"
     where = "" if failed is block else f", in {failed.id}, which this block continues"
     pytest.fail(f"{block.id} {status}{where}\n--- stdout ---\n{_tail(run.out)}\n--- stderr ---\n{_tail(run.err)}")

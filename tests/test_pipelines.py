@@ -98,7 +98,8 @@ def test_inputs_name_what_is_wrong():
 @pytest.mark.slow
 def test_pipeline_module_runs_from_its_main(tiny_model_dir, daskllm_cache):
     done = subprocess.run([sys.executable, "-m", "pipelines.halo", "--pipeline", "w2", "--queries", "2",
-                           "--max-tokens", "4", "--workers", "1", "--index-docs", "100"], capture_output=True, text=True, timeout=300,
+                           "--max-tokens", "4", "--workers", "1", "--index-docs", "100"],
+                          capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "DASKLLM_CACHE_DIR": daskllm_cache})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("Q: ") == 2
