@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from daskllm.engines.invariant import ROW_MULTIPLE, Linear, linear, pad_rows
+from tests.helpers import check_forward_invariance
 
 MAX_ROWS = 70
 # (K, N): the tiny model's projections (qkv, gate/up, down, lm head) and an odd shape
@@ -49,12 +50,13 @@ IMPLS = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("k,n", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
-def test_linear_rows_are_bitwise_independent_of_row_count(k, n, num_threads, impl):
+def test_linear_rows_are_bitwise_independent_of_row_count(k, n, num_threads, impl, dtype):
     gen = torch.Generator().manual_seed(k * 1000 + n)
-    x = torch.randn(MAX_ROWS, k, generator=gen)
-    w = torch.randn(n, k, generator=gen) * 0.1
+    x = torch.randn(MAX_ROWS, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
     product = IMPLS[impl](w)
     full = product(x)
     assert full.shape == (MAX_ROWS, n)
@@ -69,7 +71,7 @@ def test_linear_rows_are_bitwise_independent_of_row_count(k, n, num_threads, imp
         start = MAX_ROWS - rows
         if n <= 2048 and not torch.equal(product(x[start:]), full[start:]):
             mismatched.append(-rows)
-    assert not mismatched, (f"{impl} linear is not batch-invariant on this machine for K={k}, N={n}, "
+    assert not mismatched, (f"{impl} {dtype} linear is not batch-invariant on this machine for K={k}, N={n}, "
                             f"{num_threads} threads; differing row counts (negative: trailing rows): "
                             f"{mismatched}")
 
@@ -111,86 +113,21 @@ def test_prepared_linear_uses_onednn_on_cpu():
     w = torch.randn(32, 64)
     assert Linear(w).packed == torch.backends.mkldnn.is_available()
     assert not Linear(w, pack=False).packed
-    assert not Linear(w.double()).packed  # float32 only: other dtypes pad rows
+    assert not Linear(w.double()).packed  # float32 and bfloat16 only: other dtypes pad rows
+    assert Linear(w.bfloat16()).packed == (torch.backends.mkldnn.is_available()
+                                          and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-# --- the whole forward pass ------------------------------------------------------------------
-#
-# Tokens are too coarse to see a last-bit difference (a random model's top logits are rarely
-# that close), so the forward pass itself is checked: the logits of one sequence must have
-# the same bits alone, batched with other sequences (prefills and decodes of other lengths),
-# prefilled in chunks, and on top of K/V cached by an earlier step.
-
-BLOCK = 16
+# --- the whole forward pass, in float32 and bfloat16 (tests/helpers.py: check_forward_invariance;
+# test_triton_kernels.py runs the same check on the GPU backend's kernels) ------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tiny_model_dir):
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def tiny_model(tiny_model_dir, request):
     from daskllm.engines.llama import LlamaModel
 
-    return LlamaModel(tiny_model_dir)
-
-
-class _Seq:
-    def __init__(self, seed: int, length: int, first_block: int):
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(5, 16000, (length,), generator=gen).tolist()
-        self.table = list(range(first_block, first_block + -(-(length + 1) // BLOCK)))
-
-
-def _step(model, parts):
-    """One forward step over ``parts`` = [(seq, first, n)]; returns {seq: logits of its last row}."""
-    from daskllm.engines.llama import StepInput
-
-    ids, positions, slots, seqs, rows = [], [], [], [], []
-    for seq, first, n in parts:
-        row = len(ids)
-        ids += seq.ids[first:first + n]
-        positions += range(first, first + n)
-        slots += [seq.table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, first + n)]
-        seqs.append((row, n, first, seq.table))
-        rows.append(row + n - 1)
-    logits = model.forward(StepInput(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), seqs, rows))
-    return {id(seq): logits[i] for i, (seq, _, _) in enumerate(parts)}
+    return LlamaModel(tiny_model_dir, dtype=request.param)
 
 
 def test_forward_logits_are_batch_invariant(tiny_model, num_threads):
-    model = tiny_model
-    a = _Seq(1, 37, 0)   # the sequence under test: 37 prompt tokens, then decodes at 37
-    b = _Seq(2, 20, 10)
-    c = _Seq(3, 5, 20)
-    d = _Seq(4, 9, 25)
-    e = _Seq(5, 70, 30)  # a longer context: more key chunks in a batched decode
-    a.ids.append(123)    # the token decoded at position 37
-
-    def fresh():
-        model.allocate_cache(40, BLOCK)
-
-    # prefill of a's prompt: logits of its last prompt token
-    fresh()
-    alone = _step(model, [(a, 0, 37)])[id(a)]
-    fresh()
-    batched = _step(model, [(b, 0, 20), (a, 0, 37), (c, 0, 5)])[id(a)]
-    fresh()
-    _step(model, [(a, 0, 16)])
-    _step(model, [(a, 16, 16), (b, 0, 3)])
-    chunked = _step(model, [(a, 32, 5)])[id(a)]
-    fresh()
-    _step(model, [(e, 0, 70), (a, 0, 32)])
-    on_cache = _step(model, [(a, 32, 5), (d, 0, 9)])[id(a)]
-    assert torch.equal(alone, batched), "prefill logits change when batched with other prompts"
-    assert torch.equal(alone, chunked), "prefill logits change when the prompt is prefilled in chunks"
-    assert torch.equal(alone, on_cache), "prefill logits change on top of a cached prefix"
-
-    # decode of a's next token, alone and among other decodes and a prefill
-    fresh()
-    _step(model, [(a, 0, 37)])
-    decode_alone = _step(model, [(a, 37, 1)])[id(a)]
-    fresh()
-    _step(model, [(a, 0, 37), (b, 0, 20), (c, 0, 5), (e, 0, 70)])
-    decode_batched = _step(model, [(b, 19, 1), (a, 37, 1), (d, 0, 9), (c, 4, 1), (e, 69, 1)])[id(a)]
-    assert torch.equal(decode_alone, decode_batched), "decode logits change when batched"
-    # and a decode equals the same position computed as the last token of a prefill
-    fresh()
-    prefill_38 = _step(model, [(a, 0, 38)])[id(a)]
-    assert torch.equal(decode_alone, prefill_38), "a decode step and a prefill disagree on the same position"
+    check_forward_invariance(tiny_model)

@@ -222,3 +222,33 @@ def test_engine_benchmark_quick_mode_measures_engines_side_by_side(tmp_path, das
     assert report["engines"]["transformers"]["summary"]["warm_ttft_s"] is None  # no prefix cache
     assert {"torch / transformers decode@1", "torch / transformers decode@8"} <= {r["ratio"] for r in report["ratios"]}
     assert "| measurement | torch | transformers |" in done.stdout and "no prefix cache" in done.stdout
+
+
+@pytest.mark.slow
+def test_gpu_engine_benchmark_quick_mode_measures_both_systems(tmp_path, daskllm_cache):
+    out = tmp_path / "gpu_engine.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_engine.py"), "--quick", "--nano-transformers",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["args"]["model"] == "tiny" and report["args"]["device"] == "cpu"
+    assert list(report["engines"]) == ["daskllm", "transformers"]
+    for name, result in report["engines"].items():
+        s = result["summary"]
+        assert set(s["decode_tokens_per_s"]) == {"1", "8"} and all(v > 0 for v in s["decode_tokens_per_s"].values())
+        assert all(x["generated_tokens"] == x["batch"] * 8 for x in result["decode"]), name
+        assert s["prefill_tokens_per_s"] > 0 and s["cold_ttft_s"] > 0, name
+        assert s["nano_tokens_per_s"] > 0 and s["nano_bound_ratio"] > 0, name
+        assert [x["output_tokens"] for x in result["nano"]] == [sum(report["nano_workload"]["output_lengths"])]
+    daskllm = report["engines"]["daskllm"]["summary"]
+    assert daskllm["warm_ttft_s"] > 0 and daskllm["prefix_speedup"] > 0 and daskllm["warm_num_cached_tokens"] == [128]
+    assert report["engines"]["transformers"]["summary"]["warm_ttft_s"] is None  # no prefix cache
+    # the torch engine is batch-invariant on the CPU: every comparison is exact
+    assert daskllm["exactness"] == {"prompts": 8, "together": 8, "staggered": 8, "cached_prefix": 8}
+    assert report["exact"] is True
+    assert report["bound"]["bound_s"] > 0 and report["machine"]["copy_bandwidth_bytes_per_s"] > 0
+    found = {r["ratio"]: r for r in report["ratios"]}
+    assert {"daskllm / transformers decode@1 tokens/s", "daskllm / transformers decode@8 tokens/s",
+            "daskllm / transformers nano tokens/s"} <= set(found)
+    assert found["daskllm nano time / memory-traffic bound"]["value"] > 0
+    assert "| measurement | daskllm | transformers |" in done.stdout and "no prefix cache" in done.stdout

@@ -6,7 +6,8 @@ its prefix was evicted, or after being preempted. Around it: prefix-cache accoun
 stop strings, streaming, rejection of bad requests without harming good ones, cancellation
 and shutdown.
 
-Every test runs once per backend; the vLLM run is skipped where there is no CUDA GPU or no
+Every test runs once per backend, the torch engine twice: in float32 and in bfloat16 (its
+default dtype on a GPU), both on CPU. The vLLM run is skipped where there is no CUDA GPU or no
 importable vllm, the llama.cpp run where llama-cpp-python is not installed (``make cpu``).
 llama.cpp runs the real model's GGUF file (it has no GGUF of ``tiny``), capped at tiny's
 2048-token context so the limits tested are the same. It is not batch-invariant, so the tests
@@ -72,10 +73,12 @@ def _load(backend: str, model_dir, **options) -> Engine:
         # the real model's GGUF, with tiny's context length; named tiny like the others
         options.setdefault("max_model_len", 2048)
         return EngineSpec(model="smollm2", name="tiny", backend=backend).load(**{**OPTIONS, **options})
-    if backend == "torch":
-        # The torch engine's bit-exactness rests on CPU GEMM kernels (see test_batch_invariance.py);
-        # on a GPU machine it would otherwise pick CUDA and bfloat16.
+    if backend.startswith("torch"):
+        # On CPU here, where its kernels are checked (test_batch_invariance.py); on a GPU machine
+        # it would otherwise pick CUDA and bfloat16.
         options.setdefault("device", "cpu")
+        options.setdefault("dtype", "bfloat16" if backend == "torch-bf16" else "float32")
+        backend = "torch"
     else:
         # Batch-invariant kernels (the exactness tests compare batched with alone), and room
         # on one GPU for the module's three engines at once.
@@ -106,7 +109,7 @@ def _wait_idle(engine, timeout: float = 10.0):
 # --- engines -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["torch", "vllm", "llamacpp"])
+@pytest.fixture(scope="module", params=["torch", "torch-bf16", "vllm", "llamacpp"])
 def backend(request) -> str:
     if request.param == "llamacpp":
         from daskllm.engines.llamacpp import unavailable_reason
@@ -211,7 +214,7 @@ def test_batched_cold_equals_alone(backend, tiny_model_dir, reference):
     # Requests sharing a prefix with one admitted in the same step wait a step and find it
     # cached (torch engine), instead of computing it again; either way the tokens are the same.
     shared = [c for c in batch if c.num_cached_tokens > 0]
-    if backend == "torch":
+    if backend.startswith("torch"):
         assert shared and stats.prefill_tokens_cached == sum(c.num_cached_tokens for c in batch)
     assert stats.max_batch_size > 1
 
@@ -251,7 +254,7 @@ def test_chunked_prefill_equals_alone(backend, chunked_engine, reference):
     c = chunked_engine.submit(long_prompt, SamplingParams(max_tokens=1, ignore_eos=True)).result(timeout=TIMEOUT)
     after = chunked_engine.stats()
     assert c.num_prompt_tokens > 2 * 32
-    if backend == "torch":
+    if backend.startswith("torch"):
         # the prompt really was prefilled in chunks of at most 32 tokens
         assert after.steps - before.steps >= -(-c.num_prompt_tokens // 32)
     assert c.token_ids == reference[6].token_ids[:1]
@@ -262,20 +265,31 @@ def test_chunked_prefill_equals_alone(backend, chunked_engine, reference):
 
 
 def test_matches_transformers_greedy(backend, tiny_model_dir, reference):
-    if backend != "torch":
-        pytest.skip("bit-level agreement with transformers is only promised by the torch engine")
+    """float32: the same tokens as transformers' generate, bit for bit. bfloat16: transformers'
+    own bf16 products round differently with the number of rows (its CPU GEMM is not
+    batch-invariant, ours is), so equality cannot be promised; the first token must agree and
+    at least 3 of the 4 sequences (measured: 4 of 4 here, and 9 of 10 over all PROMPTS)."""
+    if not backend.startswith("torch"):
+        pytest.skip("agreement with transformers is only promised by the torch engine")
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    dtype = torch.bfloat16 if backend == "torch-bf16" else torch.float32
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
     model.eval()
     n = GREEDY.max_tokens
+    same = 0
     for i in (1, 3, 6, 8):
         ids = torch.tensor([reference[i].prompt_token_ids])
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=4)
-        assert out[0, ids.shape[1]:].tolist() == reference[i].token_ids, f"prompt {i}"
+        expected = out[0, ids.shape[1]:].tolist()
+        if dtype == torch.float32:
+            assert expected == reference[i].token_ids, f"prompt {i}"
+        assert expected[0] == reference[i].token_ids[0], f"prompt {i}: first token"
+        same += expected == reference[i].token_ids
+    assert same >= 3, f"only {same} of 4 sequences equal transformers' in {dtype}"
 
 
 # --- prefix-cache accounting ---------------------------------------------------------------
@@ -406,7 +420,7 @@ def test_preemption_keeps_outputs_exact(backend, small_engine, engine):
     after = small_engine.stats()
     assert _tokens(got) == expected
     assert all(c.finish_reason == "length" and len(c.token_ids) == 40 for c in got)
-    if backend == "torch":
+    if backend.startswith("torch"):
         assert after.preemptions > before.preemptions
     assert after.cache_blocks_used <= after.cache_blocks_total == 16
 

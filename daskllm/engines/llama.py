@@ -1,23 +1,17 @@
 """A Llama-family forward pass over a paged KV cache, batch-invariant by construction.
 
 Greedy decoding must give the same tokens whether a request runs alone, batched with
-others, or on top of a cached prefix. Float arithmetic is only reproducible if every
-number is computed by the same sequence of operations, so this module never lets the
-batch change a reduction:
+others, or on top of a cached prefix: the forward pass leaves every reduction (products,
+RMSNorm, attention) to a :mod:`~daskllm.engines.backends` backend whose results for a row do
+not depend on the other rows; the rest is elementwise.
 
-* Projections are :class:`~daskllm.engines.invariant.Linear`: weights prepared once for
-  oneDNN on CPU, whose kernel gives every row the same bits whatever the row count (a lone
-  decode row then costs a matrix-vector product); elsewhere the row count is padded to a
-  multiple of 4, for which the GEMM kernels give every row the same bits.
-* Attention never reduces over a length that depends on the context: keys are taken in
-  fixed chunks of one cache block, each chunk is a fixed-shape matmul (score rows padded
-  to a multiple of 4), and chunk results are combined by a sequential ``cumsum`` over
-  chunks, where chunks past a query's position contribute exact zeros. The softmax max is
-  order-free.
+Any dtype: weights and the KV cache are held in the model's dtype (float32, bfloat16,
+float16); RMSNorm and attention accumulate in float32 and rotary embeddings are applied as
+transformers applies them, so a 16-bit model computes what transformers' does, up to the
+order of additions inside a reduction.
 
-Speed: the KV cache is laid out [layer, block, KV head, row, d], so the blocks a step
-reads are gathered (``index_select``) straight into the layout its matmuls take; a step's
-block tables and causal masks are built once and shared by every layer.
+:meth:`LlamaModel.forward` takes a step as Python lists; :meth:`LlamaModel.run` is the pure
+tensor computation under it, which a CUDA graph can capture (see ``cuda_graphs``).
 
 Supported checkpoints: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
 Qwen3ForCausalLM directories with safetensors (or .bin) weights.
@@ -26,18 +20,16 @@ Qwen3ForCausalLM directories with safetensors (or .bin) weights.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from daskllm.engines.invariant import Linear, pad_rows
+from daskllm.engines import backends
 from daskllm.models import dummy_weights
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-PREFILL_TILE = 128  # query positions per attention tile: bounds memory on long prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +125,13 @@ class StepInput:
 class LlamaModel:
     """Weights of one checkpoint and the forward pass; the KV cache is held here too."""
 
-    def __init__(self, model_dir: pathlib.Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: pathlib.Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 batch_invariant: bool = True, backend: str | None = None):
         self.config = cfg = LlamaConfig.from_dir(model_dir)
         self.device, self.dtype = torch.device(device), dtype
+        self.backend = backends.select(self.device, cfg.num_heads // cfg.num_kv_heads,
+                                       batch_invariant=batch_invariant, kind=backend)
+        linear = self.backend.linear
         state = load_state_dict(model_dir)
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
@@ -160,10 +156,10 @@ class LlamaModel:
                 "in_norm": take(p + "input_layernorm.weight"),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
                 # One fused projection each for QKV and gate/up: fewer, larger GEMMs.
-                "qkv": Linear(torch.cat([q, k, v]), qkv_bias),
-                "o": Linear(take(p + "self_attn.o_proj.weight")),
-                "gate_up": Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                "down": Linear(take(p + "mlp.down_proj.weight")),
+                "qkv": linear(torch.cat([q, k, v]), qkv_bias),
+                "o": linear(take(p + "self_attn.o_proj.weight")),
+                "gate_up": linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                "down": linear(take(p + "mlp.down_proj.weight")),
             }
             if cfg.qk_norm:
                 layer["q_norm"] = take(p + "self_attn.q_norm.weight")
@@ -172,10 +168,21 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
         # Tied: the embedding table stays for lookups; the head holds its own prepared copy.
-        self.lm_head = Linear(head if head is not None else self.embed)
-        self.cos, self.sin = _rope_tables(model_dir, cfg, self.device)
+        self.lm_head = linear(head if head is not None else self.embed)
+        # transformers computes cos/sin in float32 and casts them to the activations' dtype.
+        self.cos, self.sin = (t.to(dtype) for t in _rope_tables(model_dir, cfg, self.device))
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights_read_per_step())
         self.k_cache = self.v_cache = None
         self.block_size = 0
+        self.scratch_block = -1
+
+    def _weights_read_per_step(self):
+        """Every weight a step reads whole (the embedding table is only looked up)."""
+        for layer in self.layers:
+            for w in layer.values():
+                yield w if isinstance(w, torch.Tensor) else w.weight
+        yield self.norm
+        yield self.lm_head.weight
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -183,10 +190,12 @@ class LlamaModel:
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """Room for ``num_blocks`` blocks, plus one scratch block that padding rows write to."""
         c = self.config
         # [layer, block, KV head, row in block, d]: a block's rows for one head are contiguous,
         # so gathered blocks are already in the layout the attention matmuls read (no copy).
-        shape = (c.num_layers, num_blocks, c.num_kv_heads, block_size, c.head_dim)
+        shape = (c.num_layers, num_blocks + 1, c.num_kv_heads, block_size, c.head_dim)
+        self.scratch_block = num_blocks
         # Zeros, not empty: masked attention weights are exact zeros, and 0 * NaN would not be.
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
@@ -200,22 +209,34 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
-        """Run one step; write new K/V into the cache; return logits for ``step.logit_rows``."""
+        """Run one step; write new K/V into the cache; return float32 logits for ``step.logit_rows``
+        (on the model's device)."""
+        plan = self.backend.plan(step, self.block_size)
+        rows = step.logit_rows
+        if rows != list(range(step.input_ids.shape[0])):
+            rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        else:
+            rows = slice(None)
+        return self.run(step.input_ids, step.positions, step.slots, plan, rows)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan,
+            logit_rows: torch.Tensor | slice) -> torch.Tensor:
+        """The step as tensors only (no host sync, nothing shaped by Python values): capturable."""
         c = self.config
-        n = step.input_ids.shape[0]
-        h = self.embed[step.input_ids]
-        cos, sin = self.cos[step.positions].unsqueeze(1), self.sin[step.positions].unsqueeze(1)
+        b = self.backend
+        n = input_ids.shape[0]
+        h = self.embed[input_ids]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         # Where each new token's K/V goes: (block, row in block), the same for every layer.
-        block, offset = step.slots // self.block_size, step.slots % self.block_size
-        groups = self._attention_groups(step)  # tables and masks: built once, used by every layer
+        block, offset = slots // self.block_size, slots % self.block_size
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
+            x = b.rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = layer["qkv"](x)
             if c.qk_norm:
-                q = _rms_norm(qkv[:, :q_size].view(n, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
-                k = _rms_norm(qkv[:, q_size:q_size + kv_size].view(n, c.num_kv_heads, c.head_dim),
-                              layer["k_norm"], c.rms_norm_eps)
+                q = b.rms_norm(qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
+                k = b.rms_norm(qkv[:, q_size:q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim),
+                               layer["k_norm"], c.rms_norm_eps)
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             else:  # q and k rotated by one call: their heads sit side by side in qkv
                 qk = _rope(qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
@@ -223,94 +244,12 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
             self.k_cache[li][block, :, offset] = k
             self.v_cache[li][block, :, offset] = v
-            attn = self._attention(li, q, groups)
+            attn = b.attend(q, self.k_cache[li], self.v_cache[li], plan)
             h = h + layer["o"](attn.reshape(n, -1))
-            x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+            x = b.rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             h = h + layer["down"](F.silu(gate) * up)
-        rows = h[step.logit_rows]
-        return self.lm_head(_rms_norm(rows, self.norm, c.rms_norm_eps)).float()
-
-    def _attention_groups(self, step: StepInput) -> list[_Group]:
-        """The step's queries as attention calls: all decodes in one, each prefill in tiles."""
-        groups = []
-        decodes = [s for s in step.seqs if s[1] == 1]
-        if decodes:
-            rows = [s[0] for s in decodes]
-            # A pure decode step (the common case) needs no gather of its query rows.
-            index = slice(0, len(rows)) if rows == list(range(step.input_ids.shape[0])) else rows
-            groups.append(self._group(index, [[s[2]] for s in decodes], [s[3] for s in decodes]))
-        for start, count, cached, table in step.seqs:
-            if count == 1:
-                continue
-            for t0 in range(0, count, PREFILL_TILE):
-                t1 = min(count, t0 + PREFILL_TILE)
-                groups.append(self._group(slice(start + t0, start + t1), [list(range(cached + t0, cached + t1))],
-                                          [table]))
-        return groups
-
-    def _group(self, rows, positions: list[list[int]], tables: list[list[int]]) -> _Group:
-        """One attention call's block table [B, chunks] and mask, for queries at ``positions`` [B][T]."""
-        c = self.config
-        bs = self.block_size
-        b, t = len(positions), len(positions[0])
-        g = c.num_heads // c.num_kv_heads
-        m = pad_rows(g * t)
-        n_chunks = max(p[-1] for p in positions) // bs + 1
-        table = torch.tensor([blocks[:n_chunks] + [0] * (n_chunks - len(blocks[:n_chunks])) for blocks in tables],
-                             dtype=torch.long, device=self.device)
-        # Rows are (query head within its KV group, position), then padding rows that see key 0.
-        row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=self.device)  # [B, M]
-        key_pos = torch.arange(n_chunks * bs, device=self.device).view(1, n_chunks, 1, 1, bs)
-        masked = key_pos > row_pos.view(b, 1, 1, m, 1)  # [B, chunks, 1 (KV heads), M, bs]
-        return _Group(rows, b, t, m, table, masked)
-
-    def _attention(self, layer: int, q: torch.Tensor, groups: list[_Group]) -> torch.Tensor:
-        if len(groups) == 1 and groups[0].rows == slice(0, q.shape[0]):
-            return self._attend(layer, q.view(groups[0].b, groups[0].t, *q.shape[1:]), groups[0]).view_as(q)
-        out = torch.empty_like(q)  # the groups cover every row
-        for grp in groups:
-            out[grp.rows] = self._attend(layer, q[grp.rows].view(grp.b, grp.t, *q.shape[1:]), grp).flatten(0, 1)
-        return out
-
-    def _attend(self, layer: int, q: torch.Tensor, grp: _Group) -> torch.Tensor:
-        """Causal attention of queries ``q`` [B, T, H, d] over the cached K/V of ``grp``'s blocks."""
-        c = self.config
-        b, t, m = grp.b, grp.t, grp.m
-        g = c.num_heads // c.num_kv_heads
-        # index_select: the same gather as k_cache[layer][table], several times faster on CPU.
-        blocks = grp.table.view(-1)
-        keys = self.k_cache[layer].index_select(0, blocks).view(b, -1, *self.k_cache.shape[2:])  # [B, chunks, Hkv, bs, d]
-        values = self.v_cache[layer].index_select(0, blocks).view(b, -1, *self.v_cache.shape[2:])
-        # Rows are (query head within its KV group, position): [B, 1, Hkv, g*T -> M, d]
-        rows = q.view(b, t, c.num_kv_heads, g, c.head_dim).permute(0, 2, 3, 1, 4).reshape(b, c.num_kv_heads, g * t, -1)
-        rows = F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(c.head_dim))
-        scores = torch.matmul(rows.unsqueeze(1), keys.transpose(-1, -2))  # [B, chunks, Hkv, M, bs]
-        scores = scores.masked_fill(grp.masked, float("-inf"))
-        peak = scores.amax(dim=(1, 4), keepdim=True)
-        weights = torch.exp(scores - peak)
-        # Per-chunk partials, then a sequential sum over chunks: exact zeros past the position.
-        num = torch.matmul(weights, values).cumsum(dim=1)[:, -1]  # [B, Hkv, M, d]
-        den = weights.sum(dim=-1).cumsum(dim=1)[:, -1]  # [B, Hkv, M]
-        attn = (num / den.unsqueeze(-1))[:, :, :g * t]
-        return attn.view(b, c.num_kv_heads, g, t, c.head_dim).permute(0, 3, 1, 2, 4).reshape(b, t, c.num_heads, -1)
-
-
-@dataclass(slots=True)
-class _Group:
-    """One attention call of a step: its query rows in the flat batch and what every layer reuses."""
-
-    rows: slice | list[int]
-    b: int  # sequences
-    t: int  # query positions per sequence
-    m: int  # score rows per KV head: g * t padded (see invariant.pad_rows)
-    table: torch.Tensor  # [B, chunks] cache blocks
-    masked: torch.Tensor  # [B, chunks, 1, M, bs]: True where a key lies past the row's position
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return x * torch.rsqrt(variance + eps) * weight
+        return self.lm_head(b.rms_norm(h[logit_rows], self.norm, c.rms_norm_eps)).float()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

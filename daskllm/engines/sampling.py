@@ -66,7 +66,8 @@ def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Sampling weights (top-p leaves them unnormalized: multinomial draws as it always did)."""
     probs = torch.softmax(logits.double() / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        # Stable: among tied tokens (common with 16-bit logits) the lowest id comes first, as in argmax.
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
         # Keep the smallest set whose mass reaches top_p (always at least the top token).
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
         sorted_probs[drop] = 0.0

@@ -206,6 +206,13 @@ class SteppingEngine(BatchingEngine):
         except Exception as exc:  # noqa: BLE001 - e.g. a user's on_text callback raised
             self._fail(seq, exc)
 
+    def _accept(self, seq: Sequence, token: int) -> None:
+        """Append a token chosen elsewhere (greedy, on the model's device) under ``_state``."""
+        try:
+            self._append_token(seq, token)
+        except Exception as exc:  # noqa: BLE001 - e.g. a user's on_text callback raised
+            self._fail(seq, exc)
+
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
         self._stats.decode_tokens += 1

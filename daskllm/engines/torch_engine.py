@@ -16,6 +16,7 @@ import time
 import torch
 
 from daskllm import config, models
+from daskllm.engines.cuda_graphs import DecodeGraphs
 from daskllm.engines.kv_cache import BlockManager
 from daskllm.engines.llama import LlamaModel, StepInput
 from daskllm.engines.protocol import CacheState, EngineStats, PrefillHandle, RequestError
@@ -31,7 +32,8 @@ class TorchEngine(SteppingEngine):
     def __init__(self, model: str | os.PathLike, *, name: str | None = None, device: str | None = None,
                  dtype: str | torch.dtype | None = None, block_size: int | None = None,
                  kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, num_threads: int | None = None):
+                 max_num_batched_tokens: int | None = None, num_threads: int | None = None,
+                 batch_invariant: bool | None = None, cuda_graphs: bool | None = None, backend: str | None = None):
         path = models.resolve(model)
         self.name = name or models.model_name(model)
         self.path = path
@@ -45,7 +47,10 @@ class TorchEngine(SteppingEngine):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = _resolve_dtype(dtype or config.get("engine.dtype"), device)
 
-        self.model = LlamaModel(path, device=device, dtype=dtype)
+        if batch_invariant is None:
+            batch_invariant = config.get("engine.batch-invariant", True)
+        self.model = LlamaModel(path, device=device, dtype=dtype, batch_invariant=bool(batch_invariant),
+                                backend=backend)
         self.max_model_len = self.model.config.max_model_len
         self.vocab_size = self.model.config.vocab_size
         self._load_tokenizer(path)
@@ -56,13 +61,19 @@ class TorchEngine(SteppingEngine):
         self._blocks = BlockManager(num_blocks, self.block_size)
         self._scheduler = Scheduler(self._blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
                                     copy_rows=self.model.copy_rows)
+        if cuda_graphs is None:
+            cuda_graphs = config.get("engine.cuda-graphs", True)
+        self._graphs = None
+        if cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton":
+            self._graphs = DecodeGraphs(self.model, max_num_seqs)
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self._start_loop(eos, EngineStats(cache_blocks_total=num_blocks))
 
     def __repr__(self) -> str:
-        return f"<TorchEngine {self.name!r} on {self.model.device}, {self._blocks.num_blocks} blocks>"
+        return (f"<TorchEngine {self.name!r} on {self.model.device} ({str(self.model.dtype).removeprefix('torch.')}), "
+                f"{self._blocks.num_blocks} blocks>")
 
     # --- the Engine protocol (the rest is SteppingEngine's) ------------------------------------
 
@@ -108,6 +119,7 @@ class TorchEngine(SteppingEngine):
 
     def _free_resources(self) -> None:
         self.model.k_cache = self.model.v_cache = None
+        self._graphs = None
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -129,7 +141,7 @@ class TorchEngine(SteppingEngine):
                 return
         start = time.perf_counter()
         try:
-            logits = self._forward(step)
+            choices = self._forward(step)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             logger.exception("engine %s: forward pass failed", self.name)
             with self._state:
@@ -137,15 +149,18 @@ class TorchEngine(SteppingEngine):
                     self._fail(seq, exc)
             return
         with self._state:
-            self._postprocess(step, logits)
+            self._postprocess(step, choices)
             self._stats.steps += 1
             self._stats.batched_sequences += len(step)
             self._stats.max_batch_size = max(self._stats.max_batch_size, len(step))
             self._stats.busy_seconds += time.perf_counter() - start
 
-    def _forward(self, step: list[tuple[Sequence, int]]) -> torch.Tensor | None:
+    def _forward(self, step: list[tuple[Sequence, int]]) -> list[int | torch.Tensor]:
+        """Run the step; per sequence that gets a next token, in step order, the token itself
+        (greedy, chosen on the device) or its row of logits (on the CPU, for the rules of
+        :meth:`_choose`)."""
         bs = self.block_size
-        input_ids, positions, slots, seqs, logit_rows = [], [], [], [], []
+        input_ids, positions, slots, seqs, choosers = [], [], [], [], []
         for seq, n in step:
             if n == 0:
                 continue
@@ -156,15 +171,21 @@ class TorchEngine(SteppingEngine):
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(first, first + n)]
             seqs.append((row, n, first, seq.block_table))
             if first + n == len(seq.token_ids) and not seq.prefill_only:
-                logit_rows.append(row + n - 1)
+                choosers.append((row + n - 1, seq))
         if not input_ids:
-            return None
-        device = self.model.device
-        return self.model.forward(StepInput(
-            torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-            torch.tensor(slots, device=device), seqs, logit_rows)).cpu()
+            return []
+        if self._graphs is not None and len(seqs) == len(input_ids) and self._graphs.bucket(len(seqs)):
+            logits = self._graphs.run(input_ids, positions, slots, [s[3] for s in seqs])
+            if len(choosers) < len(seqs):  # a prompt's last token, prefilled alone: no token wanted
+                logits = logits[[row for row, _ in choosers]]
+        else:
+            device = self.model.device
+            logits = self.model.forward(StepInput(
+                torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                torch.tensor(slots, device=device), seqs, [row for row, _ in choosers]))
+        return _choices(logits, [seq for _, seq in choosers])
 
-    def _postprocess(self, step: list[tuple[Sequence, int]], logits: torch.Tensor | None) -> None:
+    def _postprocess(self, step: list[tuple[Sequence, int]], choices: list[int | torch.Tensor]) -> None:
         row = 0
         for seq, n in step:
             prompt_part = max(0, min(n, seq.num_prompt_tokens - seq.num_computed))
@@ -178,8 +199,28 @@ class TorchEngine(SteppingEngine):
                 self._complete(seq, PrefillHandle(self.name, len(seq.token_ids), seq.num_cached or 0,
                                                   self.block_size, tuple(seq.block_hashes)))
                 continue
-            self._choose(seq, logits[row])
+            choice = choices[row]
+            if isinstance(choice, int):
+                self._accept(seq, choice)
+            else:
+                self._choose(seq, choice)
             row += 1
+
+
+def _choices(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | torch.Tensor]:
+    """Greedy tokens of plain greedy requests, taken on the logits' device, and the CPU logits
+    rows of the rest (grammars, sampling, log-probabilities, allowed tokens): one transfer each."""
+    plain = [s.matcher is None and s.params.greedy and s.params.logprobs is None and not s.params.allowed_token_ids
+             for s in seqs]
+    out: list[int | torch.Tensor] = [0] * len(seqs)
+    if any(plain):
+        for i, token in enumerate(logits.argmax(dim=-1).tolist()):
+            out[i] = token
+    if not all(plain):
+        rest = [i for i, p in enumerate(plain) if not p]
+        for i, row in zip(rest, logits[rest].cpu()):
+            out[i] = row
+    return out
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The torch engine's GPU checks in one command, for a GPU machine with no package index
+# (docs/benchmarks.md, "Torch engine on a GPU"). Prepare here, from the project's root:
+#
+#   echo /.gpu/ >> .git/info/exclude
+#   ../shared/gpu/make_wheelhouse.sh .gpu/whl && cp -r ../shared/gpu/minilm .gpu/
+#
+# then, there, with .gpu sent along:   OUT=<results dir> bash bench/gpu_check.sh [gpu_engine.py options]
+#
+# 1. bench/gpu_engine.py in exact mode (the default: batch-invariant kernels, CUDA graphs):
+#    every target, and exit status 1 if any greedy output changes with the batch or a cached prefix;
+# 2. the same with --no-batch-invariant (cuBLAS products), one repetition: the cost of exactness
+#    (its outputs may depend on the batch; that does not fail the check).
+# Tried on CPU with:  PYTHON=.venv/bin/python OUT=/tmp/out bash bench/gpu_check.sh --quick
+set -uo pipefail
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+if compgen -G ".gpu/whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
+fi
+export PYTHONPATH="$PWD/.gpu/minilm:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DASKLLM_CACHE_DIR=${DASKLLM_CACHE_DIR:-/tmp/daskllm-cache} PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+"$PY" - <<'EOF' | tee "$OUT/versions.txt"
+import torch, transformers
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = "none"
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, triton {tv}, {gpu}")
+EOF
+status=0
+timeout "${EXACT_LIMIT_S:-330}" "$PY" bench/gpu_engine.py --repeats 2 --json "$OUT/gpu_engine.json" "$@" \
+  2>&1 | tee "$OUT/gpu_engine.log" || status=1
+timeout "${FAST_LIMIT_S:-200}" "$PY" bench/gpu_engine.py --repeats 1 --no-batch-invariant \
+  --json "$OUT/gpu_engine_fast.json" "$@" 2>&1 | tee "$OUT/gpu_engine_fast.log" || true  # may differ: not exact
+exit $status

@@ -1,0 +1,225 @@
+"""How the Llama forward pass computes its reductions on a device: products, RMSNorm, attention.
+
+Greedy decoding must give the same tokens whether a request runs alone, batched with others,
+or on top of a cached prefix. Float arithmetic is only reproducible if every number is
+computed by the same sequence of operations, so no backend lets the rows of a step change a
+row's reductions. Everything else in the forward pass is elementwise and needs no care.
+
+* :class:`CpuBackend`: projections are :class:`~daskllm.engines.invariant.Linear` (oneDNN's
+  batch-invariant kernel); attention takes keys in fixed chunks of one cache block, each a
+  fixed-shape matmul, combined by a sequential ``cumsum`` over chunks where chunks past a
+  query's position contribute exact zeros. Attention accumulates in float32 whatever the
+  model's dtype.
+* :class:`TritonBackend` (CUDA, or any device under ``TRITON_INTERPRET=1``): the kernels of
+  :mod:`daskllm.engines.triton_kernels`, whose reduction order is fixed whatever the row
+  count. ``batch_invariant=False`` trades that for cuBLAS and torch's own RMSNorm (faster
+  products at large batches; greedy tokens may then depend on the batch); attention is the
+  paged kernel either way.
+
+Both read the same KV cache layout: [block, KV head, row in block, d] per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from daskllm.engines.invariant import Linear, pad_rows
+
+if TYPE_CHECKING:
+    from daskllm.engines.llama import StepInput
+
+PREFILL_TILE = 128  # CPU: query positions per attention call, bounding memory on long prompts
+
+
+class Backend(Protocol):
+    name: str
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A projection ``x -> x @ weight.T + bias`` with the weight prepared once."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def plan(self, step: StepInput, block_size: int) -> object:
+        """What every layer's attention call of this step shares (tables, masks)."""
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
+        """Causal attention of q [N, H, d] over one layer's cache, the step's K/V already written."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def select(device: torch.device, group: int, *, batch_invariant: bool = True, kind: str | None = None) -> Backend:
+    """The backend for a device (``group``: query heads per KV head): Triton kernels on CUDA,
+    the CPU backend elsewhere; ``kind`` forces one ("cpu" or "triton")."""
+    kind = kind or ("triton" if device.type == "cuda" else "cpu")
+    if kind == "triton":
+        return TritonBackend(batch_invariant)
+    if kind == "cpu":
+        return CpuBackend(group)
+    raise ValueError(f"unknown engine backend {kind!r} (cpu or triton)")
+
+
+# --- CPU ------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Group:
+    """One attention call of a step: its query rows in the flat batch and what every layer reuses."""
+
+    rows: slice | list[int]
+    b: int  # sequences
+    t: int  # query positions per sequence
+    m: int  # score rows per KV head: g * t padded (see invariant.pad_rows)
+    table: torch.Tensor  # [B, chunks] cache blocks
+    masked: torch.Tensor  # [B, chunks, 1, M, bs]: True where a key lies past the row's position
+
+
+class CpuBackend:
+    """oneDNN products and chunked attention: batch-invariant on CPU (module docstring)."""
+
+    name = "cpu"
+
+    def __init__(self, group: int):
+        self.group = group  # query heads per KV head
+
+    def linear(self, weight, bias=None):
+        return Linear(weight, bias)
+
+    def rms_norm(self, x, weight, eps):
+        return rms_norm(x, weight, eps)
+
+    def plan(self, step: StepInput, block_size: int) -> list[_Group]:
+        """The step's queries as attention calls: all decodes in one, each prefill in tiles."""
+        groups = []
+        decodes = [s for s in step.seqs if s[1] == 1]
+        device = step.input_ids.device
+        if decodes:
+            rows = [s[0] for s in decodes]
+            # A pure decode step (the common case) needs no gather of its query rows.
+            index = slice(0, len(rows)) if rows == list(range(step.input_ids.shape[0])) else rows
+            groups.append(_group(index, [[s[2]] for s in decodes], [s[3] for s in decodes], block_size, self.group,
+                                 device))
+        for start, count, cached, table in step.seqs:
+            if count == 1:
+                continue
+            for t0 in range(0, count, PREFILL_TILE):
+                t1 = min(count, t0 + PREFILL_TILE)
+                groups.append(_group(slice(start + t0, start + t1), [list(range(cached + t0, cached + t1))],
+                                     [table], block_size, self.group, device))
+        return groups
+
+    def attend(self, q, k_cache, v_cache, plan: list[_Group]):
+        if len(plan) == 1 and plan[0].rows == slice(0, q.shape[0]):
+            return _attend(q.view(plan[0].b, plan[0].t, *q.shape[1:]), k_cache, v_cache, plan[0]).view_as(q)
+        out = torch.empty_like(q)  # the groups cover every row
+        for grp in plan:
+            out[grp.rows] = _attend(q[grp.rows].view(grp.b, grp.t, *q.shape[1:]), k_cache, v_cache, grp).flatten(0, 1)
+        return out
+
+
+def _group(rows, positions: list[list[int]], tables: list[list[int]], bs: int, g: int, device) -> _Group:
+    """One attention call's block table [B, chunks] and mask, for queries at ``positions`` [B][T]."""
+    b, t = len(positions), len(positions[0])
+    m = pad_rows(g * t)
+    n_chunks = max(p[-1] for p in positions) // bs + 1
+    table = torch.tensor([blocks[:n_chunks] + [0] * (n_chunks - len(blocks[:n_chunks])) for blocks in tables],
+                         dtype=torch.long, device=device)
+    # Rows are (query head within its KV group, position), then padding rows that see key 0.
+    row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device)  # [B, M]
+    key_pos = torch.arange(n_chunks * bs, device=device).view(1, n_chunks, 1, 1, bs)
+    masked = key_pos > row_pos.view(b, 1, 1, m, 1)  # [B, chunks, 1 (KV heads), M, bs]
+    return _Group(rows, b, t, m, table, masked)
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: _Group) -> torch.Tensor:
+    """Causal attention of queries ``q`` [B, T, H, d] over the cached K/V of ``grp``'s blocks."""
+    b, t, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    g, m = heads // kv_heads, grp.m
+    # index_select: the same gather as k_cache[table], several times faster on CPU.
+    blocks = grp.table.view(-1)
+    keys = k_cache.index_select(0, blocks).view(b, -1, *k_cache.shape[1:]).float()  # [B, chunks, Hkv, bs, d]
+    values = v_cache.index_select(0, blocks).view(b, -1, *v_cache.shape[1:]).float()
+    # Rows are (query head within its KV group, position): [B, 1, Hkv, g*T -> M, d]
+    rows = q.float().view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
+    rows = F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(d))
+    scores = torch.matmul(rows.unsqueeze(1), keys.transpose(-1, -2))  # [B, chunks, Hkv, M, bs]
+    scores = scores.masked_fill(grp.masked, float("-inf"))
+    peak = scores.amax(dim=(1, 4), keepdim=True)
+    weights = torch.exp(scores - peak)
+    # Per-chunk partials, then a sequential sum over chunks: exact zeros past the position.
+    num = torch.matmul(weights, values).cumsum(dim=1)[:, -1]  # [B, Hkv, M, d]
+    den = weights.sum(dim=-1).cumsum(dim=1)[:, -1]  # [B, Hkv, M]
+    attn = (num / den.unsqueeze(-1))[:, :, :g * t]
+    return attn.view(b, kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, heads, d).to(q.dtype)
+
+
+# --- Triton -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PagedPlan:
+    """A step's attention metadata for the paged kernel (see triton_kernels.paged_attention)."""
+
+    tiles: torch.Tensor  # [T, 4] int32: sequence, first row, rows, first position
+    tables: torch.Tensor  # [S, W] int32: each sequence's cache blocks
+
+
+class TritonLinear:
+    __slots__ = ("weight", "bias", "invariant")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool):
+        self.weight, self.bias, self.invariant = weight, bias, invariant
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            from daskllm.engines import triton_kernels
+
+            return triton_kernels.matmul(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class TritonBackend:
+    """The Triton kernels (module docstring); imported on first use, so CPU-only installs never need Triton."""
+
+    name = "triton"
+
+    def __init__(self, batch_invariant: bool = True):
+        from daskllm.engines import triton_kernels  # fail early, with Triton's own error, where it is missing
+
+        self.kernels = triton_kernels
+        self.batch_invariant = batch_invariant
+
+    def linear(self, weight, bias=None):
+        return TritonLinear(weight, bias, self.batch_invariant)
+
+    def rms_norm(self, x, weight, eps):
+        if self.batch_invariant:
+            return self.kernels.rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps)
+
+    def plan(self, step: StepInput, block_size: int) -> PagedPlan:
+        q_tile = self.kernels.BLOCK_Q
+        tiles = [(i, start + t0, min(q_tile, count - t0), cached + t0)
+                 for i, (start, count, cached, _) in enumerate(step.seqs) for t0 in range(0, count, q_tile)]
+        width = max(len(s[3]) for s in step.seqs)
+        tables = np.zeros((len(step.seqs), width), dtype=np.int32)
+        for i, (_, _, _, table) in enumerate(step.seqs):
+            tables[i, :len(table)] = table
+        device = step.input_ids.device
+        return PagedPlan(torch.tensor(tiles, dtype=torch.int32).to(device), torch.from_numpy(tables).to(device))
+
+    def attend(self, q, k_cache, v_cache, plan: PagedPlan):
+        return self.kernels.paged_attention(q, k_cache, v_cache, plan.tiles, plan.tables)

@@ -1,0 +1,182 @@
+"""The GPU backend's Triton kernels, run on CPU by Triton's interpreter (``TRITON_INTERPRET=1``).
+
+The interpreter executes each kernel program with numpy, so it checks the kernels' logic:
+indexing through block tables, masking, tiles of every shape, the online softmax, padding
+rows, and that a row's result does not depend on the rest of the step (with the same tile
+shapes whatever the row count, it cannot). The bits a GPU computes are checked on a GPU by
+``bench/gpu_engine.py`` (docs/benchmarks.md). The interpreter widens 16-bit operands to
+float32, so bfloat16 runs check the same logic, not tensor-core rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import check_forward_invariance, forward_step
+
+# Before Triton is imported: it reads the switch once. Only Triton kernels notice it, and on a
+# CPU machine only this module's run any.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def tk():
+    """daskllm.engines.triton_kernels, imported under the interpreter."""
+    if os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("TRITON_INTERPRET is set to something other than 1")
+    from triton.runtime import interpreter
+
+    # Triton 3.6's interpreter turns a loop bound into an int with int(array), which numpy >= 2.4
+    # refuses for the 1-element arrays it holds scalars in.
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    from daskllm.engines import triton_kernels
+
+    yield triton_kernels
+    interpreter._patch_lang_tensor = patch
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@DTYPES
+def test_matmul_rows_do_not_depend_on_the_row_count(tk, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(140, 96, generator=gen).to(dtype)  # rows past one 128-row tile
+    w = (torch.randn(80, 96, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(80, generator=gen).to(dtype)
+    full = tk.matmul(x, w, b)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()),
+                               **({} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}))
+    for rows in (1, 3, 16, 129):
+        assert torch.equal(tk.matmul(x[:rows], w, b), full[:rows]), rows
+        assert torch.equal(tk.matmul(x[-rows:], w, b), full[-rows:]), -rows
+    assert tk.matmul(x[:0], w).shape == (0, 80)
+
+
+@DTYPES
+def test_rms_norm_matches_transformers_formula_row_by_row(tk, dtype):
+    from daskllm.engines.backends import rms_norm
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 72, generator=gen).to(dtype)  # 72: not a power of two
+    w = torch.randn(72, generator=gen).to(dtype)
+    out = tk.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(out.float(), rms_norm(x, w, 1e-5).float(), atol=1e-5 if dtype == torch.float32
+                               else 0.02, rtol=1e-5 if dtype == torch.float32 else 0.02)
+    assert torch.equal(tk.rms_norm(x[4:5], w, 1e-5), out[4:5])
+
+
+def _reference_attention(q, k_cache, v_cache, table, pos):
+    """Softmax attention of one query row q [H, d] at ``pos`` over its sequence's blocks."""
+    heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    keys = torch.cat([k_cache[b] for b in table], dim=1)[:, :pos + 1].float().repeat_interleave(heads // kv_heads, 0)
+    vals = torch.cat([v_cache[b] for b in table], dim=1)[:, :pos + 1].float().repeat_interleave(heads // kv_heads, 0)
+    scores = (q.float().unsqueeze(1) @ keys.transpose(1, 2)).squeeze(1) / d ** 0.5
+    return (torch.softmax(scores, -1).unsqueeze(1) @ vals).squeeze(1)
+
+
+@DTYPES
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(8, 2, 32, 16), (6, 2, 24, 8)],
+                         ids=["gqa4-d32-bs16", "gqa3-d24-bs8"])  # and a group, head size and block not powers of 2
+def test_paged_attention_matches_softmax_and_is_row_invariant(tk, dtype, heads, kv_heads, head_dim, block):
+    gen = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(24, kv_heads, block, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(24, kv_heads, block, head_dim, generator=gen).to(dtype)
+    tables = torch.tensor([[3, 1, 7, 9, 11, 13, 15], [2, 5, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    # Sequence 0 prefills positions 30..53 (two tiles: 16 + 8 rows), sequence 1 decodes at 19.
+    q = torch.randn(25, heads, head_dim, generator=gen).to(dtype)
+    tiles = torch.tensor([[0, 0, 16, 30], [0, 16, 8, 46], [1, 24, 1, 19]], dtype=torch.int32)
+    out = tk.paged_attention(q, k_cache, v_cache, tiles, tables)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.03, "rtol": 0.03}
+    for i in range(24):
+        torch.testing.assert_close(out[i].float(), _reference_attention(q[i], k_cache, v_cache, tables[0], 30 + i),
+                                   **tol)
+    torch.testing.assert_close(out[24].float(), _reference_attention(q[24], k_cache, v_cache, tables[1], 19), **tol)
+    # Row 5 (position 35): alone as a decode, and third in a tile of six, gives the same bits.
+    alone = tk.paged_attention(q[5:6].contiguous(), k_cache, v_cache, torch.tensor([[0, 0, 1, 35]], dtype=torch.int32),
+                               tables)
+    among = tk.paged_attention(q[3:9].contiguous(), k_cache, v_cache, torch.tensor([[0, 0, 6, 33]], dtype=torch.int32),
+                               tables)
+    assert torch.equal(alone[0], out[5]) and torch.equal(among[2], out[5])
+
+
+# --- the forward pass on the Triton backend ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def micro_model_dir(tmp_path_factory):
+    """A two-layer Llama with a 512-token vocabulary: the interpreter runs a program at a time,
+    so the tiny recipe's 16K-token head alone would take seconds per step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("micro")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def triton_model(tk, micro_model_dir, request):
+    from daskllm.engines.llama import LlamaModel
+
+    return LlamaModel(micro_model_dir, dtype=request.param, backend="triton")
+
+
+def test_triton_forward_is_batch_invariant(triton_model):
+    assert triton_model.backend.name == "triton"
+    check_forward_invariance(triton_model)
+
+
+def test_triton_forward_matches_the_cpu_backend(tk, micro_model_dir):
+    from daskllm.engines.llama import LlamaModel
+    from tests.helpers import _Seq
+
+    cpu, gpu = LlamaModel(micro_model_dir), LlamaModel(micro_model_dir, backend="triton")
+    seqs = [_Seq(7, 40, 0, 512), _Seq(8, 20, 10, 512)]
+    for model in (cpu, gpu):
+        model.allocate_cache(20, 16)
+    parts = [(seqs[0], 0, 40), (seqs[1], 0, 20)]
+    want, got = forward_step(cpu, parts), forward_step(gpu, parts)
+    for s in seqs:
+        torch.testing.assert_close(got[id(s)], want[id(s)], atol=1e-4, rtol=1e-4)
+
+
+def test_decode_graph_rows_equal_the_eager_forward(tk, micro_model_dir):
+    """DecodeGraphs' step (run eagerly here; captured on CUDA): padding rows to the bucket size
+    and reading inputs from its fixed buffers gives each sequence the eager forward's logits."""
+    from daskllm.engines.cuda_graphs import DecodeGraphs, buckets
+    from daskllm.engines.llama import LlamaModel
+    from tests.helpers import _Seq
+
+    assert buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    model = LlamaModel(micro_model_dir, backend="triton")
+    model.allocate_cache(30, 16)
+    seqs = [_Seq(10 + i, 17 + 9 * i, 6 * i, 512) for i in range(3)]
+    for s in seqs:
+        s.ids.append(42)
+    forward_step(model, [(s, 0, len(s.ids) - 1) for s in seqs])
+    graphs = DecodeGraphs(model, max_batch=8)
+    assert graphs.bucket(3) == 4 and graphs.bucket(9) is None
+    ids = [s.ids[-1] for s in seqs]
+    positions = [len(s.ids) - 1 for s in seqs]
+    slots = [s.table[p // 16] * 16 + p % 16 for s, p in zip(seqs, positions)]
+    logits = graphs.run(ids, positions, slots, [s.table for s in seqs]).clone()
+    eager = forward_step(model, [(s, len(s.ids) - 1, 1) for s in seqs])  # rewrites the same K/V
+    assert logits.shape == (3, 512)
+    for i, s in enumerate(seqs):
+        assert torch.equal(logits[i], eager[id(s)]), i
