@@ -106,6 +106,7 @@ DEFERRED = {
     ("daskllm.engines", "daskllm.engines.reranker"),  # torch
     ("daskllm.engines.reranker", "daskllm.engines.vllm"),
     ("daskllm.engines.embedder", "daskllm.engines.vllm"),
+    ("daskllm.engines.backends", "daskllm.engines.triton_kernels"),  # triton: only where the GPU backend is built
     ("daskllm.dashboard", "daskllm.dashboard.page"),  # bokeh: only where the scheduler has a dashboard
     ("daskllm.corpus", "daskllm.models"),  # the corpus build runs corpus.py alone, importing only the stdlib
 }

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,10 +32,22 @@ import torch.nn.functional as F
 
 from daskllm.engines.invariant import Linear, pad_rows
 
-if TYPE_CHECKING:
-    from daskllm.engines.llama import StepInput
-
 PREFILL_TILE = 128  # CPU: query positions per attention call, bounding memory on long prompts
+
+
+@dataclass(slots=True)
+class StepInput:
+    """The tokens of one engine step, flattened across sequences.
+
+    ``seqs`` lists, per sequence, (first row in the flat batch, number of new tokens,
+    tokens already in the cache before this step, block table).
+    """
+
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    slots: torch.Tensor  # [N] long: flat cache slot each new token's K/V goes to
+    seqs: list[tuple[int, int, int, list[int]]]
+    logit_rows: list[int]  # rows whose next-token logits are wanted
 
 
 class Backend(Protocol):
@@ -178,17 +190,15 @@ class PagedPlan:
 
 
 class TritonLinear:
-    __slots__ = ("weight", "bias", "invariant")
+    """A projection by ``product(x, weight, bias)``: the invariant Triton matmul, or F.linear."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool):
-        self.weight, self.bias, self.invariant = weight, bias, invariant
+    __slots__ = ("weight", "bias", "product")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, product: Callable):
+        self.weight, self.bias, self.product = weight, bias, product
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant:
-            from daskllm.engines import triton_kernels
-
-            return triton_kernels.matmul(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
 
 class TritonBackend:
@@ -203,7 +213,7 @@ class TritonBackend:
         self.batch_invariant = batch_invariant
 
     def linear(self, weight, bias=None):
-        return TritonLinear(weight, bias, self.batch_invariant)
+        return TritonLinear(weight, bias, self.kernels.matmul if self.batch_invariant else F.linear)
 
     def rms_norm(self, x, weight, eps):
         if self.batch_invariant:

@@ -67,7 +67,8 @@ class DecodeGraphs:
                 self._forward(b)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: another engine of the worker may be loading on another thread meanwhile.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             logits = self._forward(b)
         return graph, logits
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from daskllm.engines import backends
+from daskllm.engines.backends import StepInput
 from daskllm.models import dummy_weights
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -105,21 +106,6 @@ def load_state_dict(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
             state.update(torch.load(f, map_location="cpu", weights_only=True))
         return state
     raise FileNotFoundError(f"model {model_dir}: no *.safetensors or pytorch_model*.bin weights found")
-
-
-@dataclass(slots=True)
-class StepInput:
-    """The tokens of one engine step, flattened across sequences.
-
-    ``seqs`` lists, per sequence, (first row in the flat batch, number of new tokens,
-    tokens already in the cache before this step, block table).
-    """
-
-    input_ids: torch.Tensor  # [N] long
-    positions: torch.Tensor  # [N] long
-    slots: torch.Tensor  # [N] long: flat cache slot each new token's K/V goes to
-    seqs: list[tuple[int, int, int, list[int]]]
-    logit_rows: list[int]  # rows whose next-token logits are wanted
 
 
 class LlamaModel:
