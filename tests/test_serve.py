@@ -260,7 +260,8 @@ def test_sampling_of_a_served_request_is_the_builder_s(cluster):
 
 def test_reference_pipelines_run_as_workflow_requests(cluster):
     """`/v1/pipelines/NAME`: a workflow (w2: three dependent calls, on one worker's engine; naive_rag:
-    a search over the index sharded across workers, then calls) equals its batch run."""
+    a search over the index sharded across workers, then calls) equals its batch run, over the
+    same index (the server's own would hold the same passages: built once, not twice)."""
     from pipelines import registry
     from pipelines.data import Inputs, contexts, passages
     from pipelines.ops import plain
@@ -268,7 +269,7 @@ def test_reference_pipelines_run_as_workflow_requests(cluster):
     question = "How do I read a CSV file in Python?"
     index = daskllm.ShardedIndex.from_texts(cluster, "test-serve-passages", passages())
     inputs = Inputs([question], index, [contexts(1)[0]])
-    with serving(cluster, pipelines=True, timeout=DEADLINE) as base:
+    with serving(cluster, pipelines=True, pipelines_index=index, timeout=DEADLINE) as base:
         listed = httpx.get(f"{base}/pipelines", timeout=DEADLINE).json()["data"]
         assert {"w2", "naive_rag"} <= {p["id"] for p in listed}
         for name in ("w2", "naive_rag"):

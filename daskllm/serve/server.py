@@ -62,7 +62,7 @@ def serving(client, *, host: str = "127.0.0.1", port: int = 0, api_key: str | No
     """Serve ``client``'s cluster from a background thread; yields the base URL (``.../v1``).
 
     ``service_options`` go to :class:`Service` (``consolidate``, ``window``, ``max_batch``,
-    ``pipelines``, ``plan_options``)."""
+    ``pipelines``, ``pipelines_index``, ``plan_options``)."""
     service = Service(client, **service_options)
     sock = bind(host, port)
     started = threading.Event()

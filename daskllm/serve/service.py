@@ -32,15 +32,18 @@ MODELS_TTL = 5.0  # seconds a view of what the workers hold is reused
 class Service:
     """Serving on ``client``'s cluster. ``consolidate``/``window``/``max_batch``: see
     :class:`Consolidator`; ``pipelines``: serve the reference pipelines (a source checkout's
-    ``pipelines`` package) at ``/v1/pipelines/NAME``."""
+    ``pipelines`` package) at ``/v1/pipelines/NAME``, searching ``pipelines_index`` (default: an
+    index of the pipelines' passages, built on the first pipeline request)."""
 
     def __init__(self, client, *, consolidate: bool = True, window: float = 0.1, max_batch: int = 256,
-                 pipelines: bool = False, plan_options: dict | None = None):
+                 pipelines: bool = False, pipelines_index: ShardedIndex | None = None,
+                 plan_options: dict | None = None):
         self.client = client
         self.consolidator = Consolidator(client, enabled=consolidate, window=window, max_batch=max_batch,
                                          plan_options=plan_options)
         self.relay: StreamRelay | None = None
         self.pipelines = _pipeline_registry() if pipelines else {}
+        self._pipelines_index = pipelines_index
         self._inputs = None  # the pipelines' index and default contexts, made on first use
         self._inputs_lock = threading.Lock()
         self._models: tuple[float, dict] = (0.0, {})
@@ -142,7 +145,8 @@ class Service:
 
         with self._inputs_lock:
             if self._inputs is None:
-                index = ShardedIndex.from_texts(self.client, "daskllm-serve-passages", passages())
+                index = self._pipelines_index or ShardedIndex.from_texts(self.client, "daskllm-serve-passages",
+                                                                          passages())
                 self._inputs = (index, contexts(1)[0])
         index, default_context = self._inputs
         return Inputs([req.question], index, [req.contexts or default_context])
