@@ -112,6 +112,44 @@ def test_harness_runs_every_system_and_checks_exactness(tmp_path, daskllm_cache)
     # one query at a time cannot batch across queries
     assert report["results"][0]["systems"]["sequential"]["mean_batch"] <= 1.5
     assert "| w2 | daskllm |" in done.stdout
+    _check_gpu_sweep_report(tmp_path / "sweep", out)
+
+
+def _check_gpu_sweep_report(folder, harness_json):
+    """bench/gpu_sweep.py's report over a real harness call (the one above: its harness runs
+    are the harness's, so its own test would only repeat them): rows, targets, exactness."""
+    import gpu_sweep
+    from pipelines import registry
+
+    # its groups name every reference pipeline once
+    assert sorted(gpu_sweep.REFERENCE) == sorted(registry())
+    assert sorted(p for group in gpu_sweep.GROUPS_SMALL.values() for p in group) == sorted(registry())
+    folder.mkdir()
+    (folder / "q4-all.json").write_text(harness_json.read_text())
+    (folder / "q4-all.call.json").write_text(json.dumps(
+        {"name": "q4-all", "status": "ok", "returncode": 0, "json": "q4-all.json", "finished": 1.0, "seconds": 9.0,
+         "machine": {"device": "cpu"}, "pipelines": ["w2", "adaptive_rag"], "queries": 4,
+         "command": "python bench/harness.py --quick"}))
+    argv = ["--report-only", "--pipelines", "w2,adaptive_rag", "--queries-small", "4", "--out", str(folder)]
+    assert gpu_sweep.main(argv) == 0
+    report = json.loads((folder / "sweep.json").read_text())
+    assert [(r["pipeline"], r["queries"]) for r in report["rows"]] == [("w2", 4), ("adaptive_rag", 4)]
+    for row in report["rows"]:
+        assert row["exact"] is True
+        assert all(row[k] > 0 for k in ("opwise_s", "dask_s", "daskllm_s", "vs_dask", "vs_opwise", "efficiency"))
+    status = {t["target"]: t["status"] for t in report["targets"]}
+    assert status["every output exact on every pipeline (every system, every size)"] == "incomplete"  # no large size
+    assert set(status.values()) <= {"met", "not met", "incomplete"}
+    assert "| pipeline | queries | op-wise s | Dask s | daskllm s | vs Dask | vs op-wise | efficiency | exact |" \
+        in report["markdown"] and "| w2 | 4 |" in report["markdown"]
+    # one system's outputs differing anywhere: the report says so and the exit status is 1
+    harness = json.loads((folder / "q4-all.json").read_text())
+    harness["results"][0]["systems"]["dask"]["exact"] = False
+    (folder / "q4-all.json").write_text(json.dumps(harness))
+    assert gpu_sweep.main(argv) == 1
+    report = json.loads((folder / "sweep.json").read_text())
+    assert report["exact"] is False and "| NO |" in report["markdown"]
+    assert report["targets"][0]["status"] == "not met"
 
 
 def test_quality_scorer_counts_answers_that_name_the_module():
