@@ -3,7 +3,11 @@
 # (docs/benchmarks.md, "Torch engine on a GPU"). Prepare here, from the project's root:
 #
 #   echo /.gpu/ >> .git/info/exclude
-#   ../shared/gpu/make_wheelhouse.sh .gpu/whl && cp -r ../shared/gpu/minilm .gpu/
+#   ../shared/gpu/make_wheelhouse.sh && cp -r ../shared/gpu/minilm .gpu/
+#
+# (with no argument: it writes .gpu/whl; given a folder, that script also hands the folder to
+# pip as a requirement and fails). Or this project's own scripts/wheelhouse.py, as
+# docs/offline.md shows for that machine (every dependency, not a fixed list).
 #
 # then, there, with .gpu sent along:   OUT=<results dir> bash bench/gpu_check.sh [gpu_engine.py options]
 #
