@@ -130,16 +130,14 @@ def micro_model_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def triton_model(tk, micro_model_dir, request):
+def test_triton_forward_is_batch_invariant(tk, micro_model_dir):
+    """In bfloat16, the GPU default (float32 runs the same kernels with other constants: the
+    kernel tests above cover both)."""
     from daskllm.engines.llama import LlamaModel
 
-    return LlamaModel(micro_model_dir, dtype=request.param, backend="triton")
-
-
-def test_triton_forward_is_batch_invariant(triton_model):
-    assert triton_model.backend.name == "triton"
-    check_forward_invariance(triton_model)
+    model = LlamaModel(micro_model_dir, dtype=torch.bfloat16, backend="triton")
+    assert model.backend.name == "triton"
+    check_forward_invariance(model)
 
 
 def test_triton_forward_matches_the_cpu_backend(tk, micro_model_dir):
