@@ -6,10 +6,10 @@ computed by the same sequence of operations, so no backend lets the rows of a st
 row's reductions. Everything else in the forward pass is elementwise and needs no care.
 
 * :class:`CpuBackend`: projections are :class:`~daskllm.engines.invariant.Linear` (oneDNN's
-  batch-invariant kernel); attention takes keys in fixed chunks of one cache block, each a
-  fixed-shape matmul, combined by a sequential ``cumsum`` over chunks where chunks past a
-  query's position contribute exact zeros. Attention accumulates in float32 whatever the
-  model's dtype.
+  batch-invariant kernel); attention reads keys in tiles of one fixed length (``KEY_TILE_BLOCKS``
+  cache blocks), in position order, with an online softmax: every reduction runs over the
+  same length whatever the batch, and tiles past a query's position add exact zeros. It
+  accumulates in float32 whatever the model's dtype.
 * :class:`TritonBackend` (CUDA, or any device under ``TRITON_INTERPRET=1``): the kernels of
   :mod:`daskllm.engines.triton_kernels`, whose reduction order is fixed whatever the row
   count. ``batch_invariant=False`` trades that for cuBLAS and torch's own RMSNorm (faster
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from daskllm.engines.invariant import Linear, pad_rows
 
-PREFILL_TILE = 128  # CPU: query positions per attention call, bounding memory on long prompts
+PREFILL_TILE = 256  # CPU: query positions per attention call, bounding memory on long prompts
+KEY_TILE_BLOCKS = 4  # CPU: cache blocks per key tile (64 keys with 16-token blocks): one fixed length
 
 
 @dataclass(slots=True)
@@ -94,12 +95,12 @@ class _Group:
     b: int  # sequences
     t: int  # query positions per sequence
     m: int  # score rows per KV head: g * t padded (see invariant.pad_rows)
-    table: torch.Tensor  # [B, chunks] cache blocks
-    masked: torch.Tensor  # [B, chunks, 1, M, bs]: True where a key lies past the row's position
+    tiles: list[tuple[torch.Tensor, torch.Tensor]]  # per key tile: its blocks [B * KEY_TILE_BLOCKS] and
+    # its mask [B, 1, M, KEY_TILE_BLOCKS * block_size], True where a key lies past the row's position
 
 
 class CpuBackend:
-    """oneDNN products and chunked attention: batch-invariant on CPU (module docstring)."""
+    """oneDNN products and tiled attention: batch-invariant on CPU (module docstring)."""
 
     name = "cpu"
 
@@ -142,39 +143,47 @@ class CpuBackend:
 
 
 def _group(rows, positions: list[list[int]], tables: list[list[int]], bs: int, g: int, device) -> _Group:
-    """One attention call's block table [B, chunks] and mask, for queries at ``positions`` [B][T]."""
+    """One attention call's key tiles (blocks and masks), for queries at ``positions`` [B][T]."""
     b, t = len(positions), len(positions[0])
     m = pad_rows(g * t)
-    n_chunks = max(p[-1] for p in positions) // bs + 1
-    table = torch.tensor([blocks[:n_chunks] + [0] * (n_chunks - len(blocks[:n_chunks])) for blocks in tables],
+    n_blocks = max(p[-1] for p in positions) // bs + 1
+    n_blocks = -(-n_blocks // KEY_TILE_BLOCKS) * KEY_TILE_BLOCKS  # whole tiles: every tile has one length
+    table = torch.tensor([blocks[:n_blocks] + [0] * (n_blocks - len(blocks[:n_blocks])) for blocks in tables],
                          dtype=torch.long, device=device)
     # Rows are (query head within its KV group, position), then padding rows that see key 0.
-    row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device)  # [B, M]
-    key_pos = torch.arange(n_chunks * bs, device=device).view(1, n_chunks, 1, 1, bs)
-    masked = key_pos > row_pos.view(b, 1, 1, m, 1)  # [B, chunks, 1 (KV heads), M, bs]
-    return _Group(rows, b, t, m, table, masked)
+    row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device).view(b, 1, m, 1)
+    width = KEY_TILE_BLOCKS * bs
+    tiles = []
+    for first in range(0, n_blocks, KEY_TILE_BLOCKS):
+        key_pos = torch.arange(first * bs, first * bs + width, device=device)
+        tiles.append((table[:, first:first + KEY_TILE_BLOCKS].reshape(-1), key_pos > row_pos))
+    return _Group(rows, b, t, m, tiles)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: _Group) -> torch.Tensor:
-    """Causal attention of queries ``q`` [B, T, H, d] over the cached K/V of ``grp``'s blocks."""
+    """Causal attention of queries ``q`` [B, T, H, d] over the cached K/V of ``grp``'s key tiles."""
     b, t, heads, d = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
     g, m = heads // kv_heads, grp.m
-    # index_select: the same gather as k_cache[table], several times faster on CPU.
-    blocks = grp.table.view(-1)
-    keys = k_cache.index_select(0, blocks).view(b, -1, *k_cache.shape[1:]).float()  # [B, chunks, Hkv, bs, d]
-    values = v_cache.index_select(0, blocks).view(b, -1, *v_cache.shape[1:]).float()
-    # Rows are (query head within its KV group, position): [B, 1, Hkv, g*T -> M, d]
+    # Rows are (query head within its KV group, position): [B, Hkv, g*T -> M, d]
     rows = q.float().view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
     rows = F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(d))
-    scores = torch.matmul(rows.unsqueeze(1), keys.transpose(-1, -2))  # [B, chunks, Hkv, M, bs]
-    scores = scores.masked_fill(grp.masked, float("-inf"))
-    peak = scores.amax(dim=(1, 4), keepdim=True)
-    weights = torch.exp(scores - peak)
-    # Per-chunk partials, then a sequential sum over chunks: exact zeros past the position.
-    num = torch.matmul(weights, values).cumsum(dim=1)[:, -1]  # [B, Hkv, M, d]
-    den = weights.sum(dim=-1).cumsum(dim=1)[:, -1]  # [B, Hkv, M]
-    attn = (num / den.unsqueeze(-1))[:, :, :g * t]
+    peak = rows.new_full((b, kv_heads, m, 1), float("-inf"))
+    total = rows.new_zeros((b, kv_heads, m, 1))
+    acc = rows.new_zeros((b, kv_heads, m, d))
+    for blocks, masked in grp.tiles:  # in position order; tiles past a row's position add exact zeros
+        # index_select: the same gather as k_cache[blocks], several times faster on CPU; each tile is
+        # gathered into the [B, Hkv, key, d] layout its matmuls read contiguously.
+        keys = k_cache.index_select(0, blocks).view(b, -1, kv_heads, bs, d).transpose(1, 2).reshape(b, kv_heads, -1, d)
+        values = v_cache.index_select(0, blocks).view(b, -1, kv_heads, bs, d).transpose(1, 2).reshape(b, kv_heads, -1, d)
+        scores = torch.matmul(rows, keys.float().transpose(-1, -2)).masked_fill(masked, float("-inf"))
+        new_peak = torch.maximum(peak, scores.amax(dim=-1, keepdim=True))  # a maximum is exact in any order
+        scale = torch.exp(peak - new_peak)  # exactly 1 where the tile is all masked for the row
+        weights = torch.exp(scores - new_peak)
+        total = total * scale + weights.sum(dim=-1, keepdim=True)
+        acc = acc * scale + torch.matmul(weights, values.float())
+        peak = new_peak
+    attn = (acc / total)[:, :, :g * t]
     return attn.view(b, kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, heads, d).to(q.dtype)
 
 
