@@ -290,3 +290,17 @@ def test_gpu_engine_benchmark_quick_mode_measures_both_systems(tmp_path, daskllm
             "daskllm / transformers nano tokens/s"} <= set(found)
     assert found["daskllm nano time / memory-traffic bound"]["value"] > 0
     assert "| measurement | daskllm | transformers |" in done.stdout and "no prefix cache" in done.stdout
+
+
+def test_prefill_profile_splits_the_time_by_kind(tmp_path, tiny_model_dir, capsys):
+    import prefill_profile
+
+    out = tmp_path / "profile.json"
+    assert prefill_profile.main(["--model", str(tiny_model_dir), "--lengths", "48", "96", "--step-tokens", "64",
+                                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["tokens"] for r in report["results"]] == [48, 96]
+    for r in report["results"]:
+        assert r["seconds"] > 0 and sum(r["share"].values()) == pytest.approx(1.0)
+        assert r["share"]["projections"] > 0 and r["share"]["attention products"] > 0  # the kinds are recognised
+    assert "| 96 |" in capsys.readouterr().out
