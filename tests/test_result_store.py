@@ -206,7 +206,9 @@ def test_a_worker_killed_mid_job_leaves_a_store_that_answers_exactly(client, sto
     while store.info()["entries"] < 3:
         assert time.monotonic() < deadline, "no call finished within 120 s"
         time.sleep(0.05)
-    victim = sorted(client.scheduler_info()["workers"])[0]
+    # Both workers, asked of the scheduler itself (the client's cached view can lag a restart).
+    client.wait_for_workers(2, timeout=120)
+    victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
     os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
     out = future.result(timeout=240)
     assert out["llm_output"].tolist() == naive(qs, 24)
