@@ -350,7 +350,9 @@ def bench(runners: dict, args, workload: dict, bound: dict, vocab: int) -> dict:
                 runner = runners[name]
                 if runner.has_prefix_cache:
                     runner.reset()
-                results[name][key].append({"rep": rep, **measure(runner, *a)})
+                results[name][key].append(row := {"rep": rep, **measure(runner, *a)})
+                log(f"  {name} {key}: " + ", ".join(f"{k} {v:,.4g}" for k, v in row.items()
+                                                    if k != "rep" and isinstance(v, (int, float))))
 
     for rep in range(args.repeats):
         t0 = time.perf_counter()
@@ -364,6 +366,7 @@ def bench(runners: dict, args, workload: dict, bound: dict, vocab: int) -> dict:
     log("exactness of daskllm ...")
     runners["daskllm"].reset()
     results["daskllm"]["exactness"] = measure_exactness(runners["daskllm"], args, vocab)
+    log(f"  exactness: {results['daskllm']['exactness']}")
     results["daskllm"]["engine_stats"] = runners["daskllm"].engine.stats().as_dict()
     for name, runner in runners.items():
         results[name]["info"] = runner.info()
