@@ -16,6 +16,17 @@ from cold caches, alternating their order by rate:
 - ``dask``: plain Dask per-request tasks: no rewrites, a task per call, placement off
   (``pipelines.ops.NAIVE``), each request submitted alone.
 
+``--long-prompt``: another measurement, through a real HTTP server (:func:`daskllm.serve.serving`,
+what ``daskllm serve`` runs) and the ``openai`` client: one ``--long-tokens`` prompt (4,096) is
+sent, and ``--delay`` seconds later (1 s: its prefill has begun) ``--short`` streamed requests of
+32 prompt tokens and 8 new tokens; per short request, the time to its first token and to its
+last. Two engine settings, each on a fresh cluster: ``fair`` (the defaults: prefill chunks,
+long prefills yield to other work; docs/engine.md) and ``unfair`` (no chunk limit, no
+yielding: the long prompt's prefill takes every step's budget). The short requests' outputs
+must be equal in both.
+
+    python bench/online.py --long-prompt --model smollm2 --workers 1 --json long.json
+
 Per rate: p50 and p99 latency, SLO attainment (share of requests within their deadline) and
 goodput (requests within their deadline per second). Per system: the highest rate whose p99
 stays under ``--target`` (default: twice the p99 of ``dask`` at the lowest rate), and the ratio
@@ -114,6 +125,90 @@ def run_stream(client, fn, inputs, config: dict, system: str, times: list[float]
             "batches": server.stats.as_dict(), "latencies": latencies, "outputs": [d[1] for d in done]}
 
 
+def _prompt_of(tokenizer, n: int, seed: int) -> str:
+    """Text of exactly ``n`` tokens (random words, so that no prefix is shared)."""
+    rng = random.Random(seed)
+    words = []
+    while len(tokenizer.encode(" ".join(words))) < n:
+        words.append(rng.choice(("river", "stone", "paper", "light", "window", "garden", "number", "music", "cloud",
+                                 "table", "forest", "signal", "engine", "market", "letter", "bridge")) + str(rng.randrange(100)))
+    ids = tokenizer.encode(" ".join(words))[:n]
+    return tokenizer.decode(ids)
+
+
+LONG_SETTINGS = {"fair": {}, "unfair": {"daskllm.engine.prefill-chunk-tokens": 0,
+                                         "daskllm.engine.long-prefill-tokens": 0}}
+
+
+def long_prompt_run(args, setting: str, long_text: str, short_texts: list[str]) -> dict:
+    """One cluster with ``setting``'s engine limits: the long request, then the short ones."""
+    import dask
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+    from distributed import Client
+
+    import daskllm
+    from daskllm.serve import serving
+
+    with dask.config.set(LONG_SETTINGS[setting]), \
+            daskllm.LocalLLMCluster(models=[args.model], n_workers=args.workers, threads_per_worker=4,
+                                    dashboard_address="127.0.0.1:0") as cluster, \
+            Client(cluster) as client, serving(client) as url:
+        api = openai.OpenAI(base_url=url, api_key="none", timeout=600, max_retries=0)
+        api.completions.create(model=args.model, prompt="warm up", max_tokens=2, temperature=0)
+
+        def short(text: str) -> dict:
+            sent = time.perf_counter()
+            first, pieces = None, []
+            for chunk in api.completions.create(model=args.model, prompt=text, max_tokens=8, temperature=0,
+                                                stream=True):
+                if chunk.choices and chunk.choices[0].text:
+                    first = first or time.perf_counter() - sent
+                    pieces.append(chunk.choices[0].text)
+            return {"ttft_s": first, "done_s": time.perf_counter() - sent, "text": "".join(pieces)}
+
+        def long() -> float:
+            sent = time.perf_counter()
+            api.completions.create(model=args.model, prompt=long_text, max_tokens=8, temperature=0)
+            return time.perf_counter() - sent
+
+        with ThreadPoolExecutor(len(short_texts) + 1) as pool:
+            long_done = pool.submit(long)
+            time.sleep(args.delay)  # a benchmark's arrival time, not a synchronisation
+            shorts = [f.result() for f in [pool.submit(short, t) for t in short_texts]]
+            long_s = long_done.result()
+    return {"long_s": long_s, "shorts": shorts}
+
+
+def long_prompt_main(args) -> int:
+    from transformers import AutoTokenizer
+
+    from daskllm import models
+
+    tokenizer = AutoTokenizer.from_pretrained(models.resolve(args.model))
+    long_text = _prompt_of(tokenizer, args.long_tokens, seed=1)
+    short_texts = [_prompt_of(tokenizer, 32, seed=10 + i) for i in range(args.short)]
+    results = {}
+    for setting in ("fair", "unfair"):
+        log(f"{setting}: {args.long_tokens}-token prompt, then {args.short} short requests {args.delay:g} s later ...")
+        results[setting] = r = long_prompt_run(args, setting, long_text, short_texts)
+        log(f"  long {r['long_s']:.1f} s; short first token " + ", ".join(f"{x['ttft_s']:.2f}" for x in r["shorts"])
+            + " s; done " + ", ".join(f"{x['done_s']:.2f}" for x in r["shorts"]) + " s")
+    exact = [x["text"] for x in results["fair"]["shorts"]] == [x["text"] for x in results["unfair"]["shorts"]]
+    print(f"model {args.model}, {args.workers} worker(s); a {args.long_tokens}-token prompt, then {args.short} "
+          f"requests of 32 prompt tokens and 8 new tokens {args.delay:g} s later (streamed)\n")
+    print("| engine setting | long request s | short: first token s (max) | short: done s (max) |\n|---|---:|---:|---:|")
+    for setting, r in results.items():
+        print(f"| {setting} | {r['long_s']:.1f} | {max(x['ttft_s'] for x in r['shorts']):.2f} | "
+              f"{max(x['done_s'] for x in r['shorts']):.2f} |")
+    print(f"\nshort outputs equal in both settings: {exact}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "exact": exact, "args": vars(args), "machine": machine_info(),
+                       "command": " ".join(sys.argv)}, f, indent=2, default=str)
+    return 0 if exact else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipeline", default="w2")
@@ -130,7 +225,13 @@ def main(argv=None) -> int:
                         help="consolidation window, ms (daskllm serve --window): how long a micro-batch may wait")
     parser.add_argument("--json")
     parser.add_argument("--plot", help="write a latency-vs-rate plot (PNG) here")
+    parser.add_argument("--long-prompt", action="store_true", help="the long-prompt measurement (see above)")
+    parser.add_argument("--long-tokens", type=int, default=4096, help="--long-prompt: the long prompt's tokens")
+    parser.add_argument("--short", type=int, default=3, help="--long-prompt: short requests")
+    parser.add_argument("--delay", type=float, default=1.0, help="--long-prompt: seconds before the short ones")
     args = parser.parse_args(argv)
+    if args.long_prompt:
+        return long_prompt_main(args)
 
     from distributed import Client
 

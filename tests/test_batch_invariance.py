@@ -131,3 +131,41 @@ def tiny_model(tiny_model_dir, request):
 
 def test_forward_logits_are_batch_invariant(tiny_model, num_threads):
     check_forward_invariance(tiny_model)
+
+
+@pytest.mark.parametrize("positions", [
+    [[700]],  # one decode at a long context
+    [[5], [300], [97]],  # decodes at different lengths, batched
+    [list(range(260, 300))],  # a prefill chunk deep into its prompt
+], ids=["decode", "decodes", "prefill-chunk"])
+def test_cpu_attention_is_the_same_in_runs_of_tiles_as_tile_by_tile(positions, monkeypatch):
+    """The CPU backend computes runs of key tiles in batched calls; its results must be the bits
+    of taking the tiles one at a time (and close to a float64 reference)."""
+    from daskllm.engines import backends
+
+    torch.manual_seed(0)
+    bs, kv_heads, g, d = 16, 3, 3, 64
+    blocks = 64
+    k_cache, v_cache = torch.randn(blocks, kv_heads, bs, d), torch.randn(blocks, kv_heads, bs, d)
+    tables = [list(torch.randperm(blocks)[:48].tolist()) for _ in positions]
+    q = torch.randn(len(positions), len(positions[0]), kv_heads * g, d)
+
+    def attend():
+        grp = backends._group(slice(None), positions, tables, bs, g, "cpu")
+        return backends._attend(q, k_cache, v_cache, grp), len(grp.spans)
+
+    together, runs = attend()
+    monkeypatch.setattr(backends, "SPAN_FLOATS", 1)  # one tile per call
+    alone, tiles = attend()
+    assert runs < tiles
+    assert torch.equal(together, alone)
+    # float64 reference: plain causal softmax attention over each query's keys
+    for i, (pos, table) in enumerate(zip(positions, tables)):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(max(pos) + 1)])
+        keys = k_cache.permute(0, 2, 1, 3).reshape(-1, kv_heads, d)[slots].double()
+        values = v_cache.permute(0, 2, 1, 3).reshape(-1, kv_heads, d)[slots].double()
+        for j, p in enumerate(pos):
+            for h in range(kv_heads * g):
+                s = keys[:p + 1, h // g] @ q[i, j, h].double() / d ** 0.5
+                ref = torch.softmax(s, 0) @ values[:p + 1, h // g]
+                torch.testing.assert_close(together[i, j, h].double(), ref, rtol=1e-4, atol=1e-5)

@@ -8,7 +8,8 @@ row's reductions. Everything else in the forward pass is elementwise and needs n
 * :class:`CpuBackend`: projections are :class:`~daskllm.engines.invariant.Linear` (oneDNN's
   batch-invariant kernel); attention reads keys in tiles of one fixed length (``KEY_TILE_BLOCKS``
   cache blocks), in position order, with an online softmax: every reduction runs over the
-  same length whatever the batch, and tiles past a query's position add exact zeros. It
+  same length whatever the batch, and tiles past a query's position add exact zeros. Runs of
+  tiles are computed by batched calls, which changes no result (see ``_attend``). It
   accumulates in float32 whatever the model's dtype.
 * :class:`TritonBackend` (CUDA, or any device under ``TRITON_INTERPRET=1``): the kernels of
   :mod:`daskllm.engines.triton_kernels`, whose reduction order is fixed whatever the row
@@ -95,8 +96,9 @@ class _Group:
     b: int  # sequences
     t: int  # query positions per sequence
     m: int  # score rows per KV head: g * t padded (see invariant.pad_rows)
-    tiles: list[tuple[torch.Tensor, torch.Tensor]]  # per key tile: its blocks [B * KEY_TILE_BLOCKS] and
-    # its mask [B, 1, M, KEY_TILE_BLOCKS * block_size], True where a key lies past the row's position
+    spans: list[tuple[torch.Tensor, torch.Tensor, int]]  # runs of key tiles, in position order: their
+    # blocks [B * n * KEY_TILE_BLOCKS], their mask [B, 1, n, M, key tile], True where a key lies past
+    # the row's position, and n, the tiles in the run
 
 
 class CpuBackend:
@@ -142,6 +144,9 @@ class CpuBackend:
         return out
 
 
+SPAN_FLOATS = 1 << 17  # CPU: most scores held at once per KV head (512 KiB, cache-sized): tiles per call
+
+
 def _group(rows, positions: list[list[int]], tables: list[list[int]], bs: int, g: int, device) -> _Group:
     """One attention call's key tiles (blocks and masks), for queries at ``positions`` [B][T]."""
     b, t = len(positions), len(positions[0])
@@ -151,38 +156,56 @@ def _group(rows, positions: list[list[int]], tables: list[list[int]], bs: int, g
     table = torch.tensor([blocks[:n_blocks] + [0] * (n_blocks - len(blocks[:n_blocks])) for blocks in tables],
                          dtype=torch.long, device=device)
     # Rows are (query head within its KV group, position), then padding rows that see key 0.
-    row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device).view(b, 1, m, 1)
+    row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device).view(b, 1, 1, m, 1)
     width = KEY_TILE_BLOCKS * bs
-    tiles = []
-    for first in range(0, n_blocks, KEY_TILE_BLOCKS):
-        key_pos = torch.arange(first * bs, first * bs + width, device=device)
-        tiles.append((table[:, first:first + KEY_TILE_BLOCKS].reshape(-1), key_pos > row_pos))
-    return _Group(rows, b, t, m, tiles)
+    # Tiles go in runs, each computed by one batched call (the run's length changes no result:
+    # see _attend); a run's scores stay within SPAN_FLOATS per KV head.
+    per_run = max(1, SPAN_FLOATS // (b * m * width))
+    spans = []
+    for first in range(0, n_blocks, per_run * KEY_TILE_BLOCKS):
+        last = min(n_blocks, first + per_run * KEY_TILE_BLOCKS)
+        n = (last - first) // KEY_TILE_BLOCKS
+        key_pos = torch.arange(first * bs, last * bs, device=device).view(1, 1, n, 1, width)
+        spans.append((table[:, first:last].reshape(-1), key_pos > row_pos, n))
+    return _Group(rows, b, t, m, spans)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: _Group) -> torch.Tensor:
-    """Causal attention of queries ``q`` [B, T, H, d] over the cached K/V of ``grp``'s key tiles."""
+    """Causal attention of queries ``q`` [B, T, H, d] over the cached K/V of ``grp``'s key tiles.
+
+    The online softmax over key tiles, in position order. Per tile, the scores, the running
+    maximum, the weights, their sum and their product with the values are each one elementwise
+    operation or one product over one tile's fixed length, so a run of tiles computes them in
+    one batched call with the same results as tile by tile (a running maximum is exact in any
+    order); only the rescaled accumulation goes tile by tile, in order, where tiles past a row's
+    position add exact zeros."""
     b, t, heads, d = q.shape
     kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
     g, m = heads // kv_heads, grp.m
+    width = KEY_TILE_BLOCKS * bs
     # Rows are (query head within its KV group, position): [B, Hkv, g*T -> M, d]
     rows = q.float().view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
-    rows = F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(d))
-    peak = rows.new_full((b, kv_heads, m, 1), float("-inf"))
+    rows = (F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(d))).unsqueeze(2)  # [B, Hkv, 1, M, d]
+    peak = rows.new_full((b, kv_heads, 1, m, 1), float("-inf"))
     total = rows.new_zeros((b, kv_heads, m, 1))
     acc = rows.new_zeros((b, kv_heads, m, d))
-    for blocks, masked in grp.tiles:  # in position order; tiles past a row's position add exact zeros
-        # index_select: the same gather as k_cache[blocks], several times faster on CPU; each tile is
-        # gathered into the [B, Hkv, key, d] layout its matmuls read contiguously.
-        keys = k_cache.index_select(0, blocks).view(b, -1, kv_heads, bs, d).transpose(1, 2).reshape(b, kv_heads, -1, d)
-        values = v_cache.index_select(0, blocks).view(b, -1, kv_heads, bs, d).transpose(1, 2).reshape(b, kv_heads, -1, d)
+    for blocks, masked, n in grp.spans:
+        # index_select: the same gather as k_cache[blocks], several times faster on CPU; each tile
+        # is gathered into the [B, Hkv, tile, key, d] layout its products read contiguously.
+        keys = k_cache.index_select(0, blocks).view(b, n, KEY_TILE_BLOCKS, kv_heads, bs, d)
+        keys = keys.permute(0, 3, 1, 2, 4, 5).reshape(b, kv_heads, n, width, d)
+        values = v_cache.index_select(0, blocks).view(b, n, KEY_TILE_BLOCKS, kv_heads, bs, d)
+        values = values.permute(0, 3, 1, 2, 4, 5).reshape(b, kv_heads, n, width, d)
         scores = torch.matmul(rows, keys.float().transpose(-1, -2)).masked_fill(masked, float("-inf"))
-        new_peak = torch.maximum(peak, scores.amax(dim=-1, keepdim=True))  # a maximum is exact in any order
-        scale = torch.exp(peak - new_peak)  # exactly 1 where the tile is all masked for the row
-        weights = torch.exp(scores - new_peak)
-        total = total * scale + weights.sum(dim=-1, keepdim=True)
-        acc = acc * scale + torch.matmul(weights, values.float())
-        peak = new_peak
+        peaks = torch.maximum(torch.cummax(scores.amax(dim=-1, keepdim=True), dim=2).values, peak)
+        scales = torch.exp(torch.cat([peak, peaks[:, :, :-1]], dim=2) - peaks)  # 1 where a tile is all masked
+        weights = torch.exp(scores - peaks)
+        sums = weights.sum(dim=-1, keepdim=True)
+        products = torch.matmul(weights, values.float())
+        for i in range(n):  # in position order
+            total = total * scales[:, :, i] + sums[:, :, i]
+            acc = acc * scales[:, :, i] + products[:, :, i]
+        peak = peaks[:, :, -1:]
     attn = (acc / total)[:, :, :g * t]
     return attn.view(b, kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, heads, d).to(q.dtype)
 

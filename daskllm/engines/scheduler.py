@@ -7,6 +7,14 @@ request names one), each starting from the longest prefix already in the KV cach
 cache runs out of blocks, the newest running sequence is preempted: its blocks are
 released (its prefix usually stays cached) and it is recomputed later, which changes
 nothing in its output.
+
+Long prompts never hold others up for long. A sequence computes at most ``prefill_chunk``
+prompt tokens in a step, so a step's length is bounded and a request that arrives waits at
+most one chunk. And a *long prefill* (a prompt of more than ``long_prefill`` tokens, while
+it is prefilled) yields: in a step that also carries other work (a decode, a shorter prompt,
+one waiting to start) it advances one block, so decodes and short requests run at nearly
+their own speed; alone, it takes whole chunks. Chunks change nothing in a sequence's output
+(the engines' reductions do not depend on how a prompt is split into steps).
 """
 
 from __future__ import annotations
@@ -70,11 +78,14 @@ def queue_by_priority(waiting: deque[Sequence], seq: Sequence) -> None:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 copy_rows: Callable[[int, int, int], None] | None = None):
+                 copy_rows: Callable[[int, int, int], None] | None = None, *,
+                 prefill_chunk: int | None = None, long_prefill: int | None = None):
         self.blocks = blocks
         self.copy_rows = copy_rows  # (src block, dst block, rows): copies cached K/V rows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = max(1, min(prefill_chunk or max_num_batched_tokens, max_num_batched_tokens))
+        self.long_prefill = long_prefill  # None: no prefill yields
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -91,11 +102,12 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Pick the next step: (sequence, new tokens to compute) pairs."""
         budget = self.max_num_batched_tokens
+        shared = self._shared()
         step: list[tuple[Sequence, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = self._chunk(seq, budget, shared)
             if not self._grow(seq, seq.num_computed + n):
                 if not self._preempt_newest(keep=seq):
                     break
@@ -115,7 +127,7 @@ class Scheduler:
                 self._detach(seq)
                 deferred.append(seq)
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = self._chunk(seq, budget, shared)
             if not self._grow(seq, seq.num_computed + n):
                 self._detach(seq)  # holding blocks while waiting could starve the running ones
                 self.waiting.appendleft(seq)
@@ -134,6 +146,26 @@ class Scheduler:
                 step.append((seq, 0))
         self.waiting.extendleft(reversed(deferred))
         return step
+
+    def _is_long(self, seq: Sequence) -> bool:
+        # By its length, not what is left: a chunk costs more the deeper into the prompt it is.
+        return (self.long_prefill is not None and len(seq.token_ids) > self.long_prefill
+                and len(seq.token_ids) - seq.num_computed > 1)
+
+    def _shared(self) -> bool:
+        """Whether the next step has work besides long prefills (which then yield to it)."""
+        if self.long_prefill is None:
+            return False
+        return any(not self._is_long(seq) for seq in self.running) or any(
+            not self._is_long(seq) for seq in self.waiting)
+
+    def _chunk(self, seq: Sequence, budget: int, shared: bool) -> int:
+        """Tokens ``seq`` computes in the next step: what it has left, within the budget and
+        the chunk; a long prefill in a shared step advances to the end of its current block."""
+        n = min(len(seq.token_ids) - seq.num_computed, budget, self.prefill_chunk)
+        if shared and self._is_long(seq):
+            n = min(n, self.blocks.block_size - seq.num_computed % self.blocks.block_size)
+        return n
 
     def _new_block_hashes(self, seq: Sequence, n: int) -> list[int]:
         """Hashes of the full blocks ``seq`` completes by computing its next ``n`` tokens.

@@ -23,6 +23,11 @@ from daskllm.engines.protocol import CacheState, EngineStats, PrefillHandle, Req
 from daskllm.engines.scheduler import Scheduler, Sequence
 from daskllm.engines.stepping import SteppingEngine
 
+# On CPU a step of 256 prompt tokens is as efficient per token as one of 2,048 (smollm2, 2
+# threads: bench/prefill_profile.py --step-tokens) and takes about a second at a 4K context.
+CPU_PREFILL_CHUNK = 256
+CPU_LONG_PREFILL = 1024
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,7 +38,8 @@ class TorchEngine(SteppingEngine):
                  dtype: str | torch.dtype | None = None, block_size: int | None = None,
                  kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, num_threads: int | None = None,
-                 batch_invariant: bool | None = None, cuda_graphs: bool | None = None, backend: str | None = None):
+                 batch_invariant: bool | None = None, cuda_graphs: bool | None = None, backend: str | None = None,
+                 prefill_chunk_tokens: int | str | None = None, long_prefill_tokens: int | str | None = None):
         path = models.resolve(model)
         self.name = name or models.model_name(model)
         self.path = path
@@ -59,8 +65,13 @@ class TorchEngine(SteppingEngine):
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {self.block_size} tokens")
         self.model.allocate_cache(num_blocks, self.block_size)
         self._blocks = BlockManager(num_blocks, self.block_size)
+        on_cpu = self.model.device.type == "cpu"
         self._scheduler = Scheduler(self._blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
-                                    copy_rows=self.model.copy_rows)
+                                    copy_rows=self.model.copy_rows,
+                                    prefill_chunk=_auto(prefill_chunk_tokens, "prefill-chunk-tokens",
+                                                        CPU_PREFILL_CHUNK if on_cpu else None),
+                                    long_prefill=_auto(long_prefill_tokens, "long-prefill-tokens",
+                                                       CPU_LONG_PREFILL if on_cpu else None))
         if cuda_graphs is None:
             cuda_graphs = config.get("engine.cuda-graphs", True)
         self._graphs = None
@@ -221,6 +232,16 @@ def _choices(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | torch.Ten
         for i, row in zip(rest, logits[rest].cpu()):
             out[i] = row
     return out
+
+
+def _auto(value: int | str | None, key: str, device_default: int | None) -> int | None:
+    """A scheduling limit: the argument, else ``engine.<key>``; ``auto``: the device's default;
+    null or 0: none."""
+    if value is None:
+        value = config.get(f"engine.{key}", "auto")
+    if value == "auto":
+        return device_default
+    return int(value) or None if value is not None else None
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

@@ -22,6 +22,7 @@ from dask.local import get_sync
 from distributed import worker_client
 from distributed.worker import thread_state
 
+from daskllm.annotations import DECODE_TASK, TaskAnnotation
 from daskllm.ops import engine_of
 from daskllm.plan.context import LOCAL
 from daskllm.plan.ir import Node
@@ -113,6 +114,14 @@ class PlannedHere:
     graph: object
     keys: list
     engines: frozenset  # (kind, model)
+    tokens: int = 0  # the work it brings an engine: its calls' prompt and output token estimates
+
+    def annotation(self) -> dict:
+        """Its ``daskllm`` task annotation: the placement plugin then places it like any engine
+        task, among the workers it is restricted to, and counts its tokens in that worker's
+        queue (so a streamed request placed later sees them)."""
+        kind, model = min(self.engines, key=lambda e: (e[0] != "llm", e)) if self.engines else (None, None)
+        return TaskAnnotation(op=DECODE_TASK, engine=kind, model=model, prompt_tokens=self.tokens).as_dict()
 
 
 def plan_here(nodes: list[Node]) -> tuple[list[PlannedHere], Lowered]:
@@ -128,9 +137,24 @@ def plan_here(nodes: list[Node]) -> tuple[list[PlannedHere], Lowered]:
     graph = dict(lowered.graph)
     parts = []
     outputs = list(dict.fromkeys(lowered.outputs[n.key] for n in nodes))  # CSE may merge two nodes' outputs
+    work = _work(lowered)
     for keys, tasks in _independent(graph, outputs):
-        parts.append(PlannedHere({k: graph[k] for k in tasks}, keys, engines))
+        parts.append(PlannedHere({k: graph[k] for k in tasks}, keys, engines,
+                                 sum(work.get(k, 0) for k in tasks)))
     return parts, lowered
+
+
+def _work(lowered: Lowered) -> dict:
+    """Task key -> prompt plus output tokens, from the tasks' placement annotations."""
+    work = {}
+    for layer in lowered.graph.layers.values():
+        annotate = (getattr(layer, "annotations", None) or {}).get("daskllm")
+        if annotate is None:
+            continue
+        for key in layer:
+            if (a := annotate(key)) is not None:
+                work[key] = int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0))
+    return work
 
 
 def _independent(graph: dict, outputs: list) -> list[tuple[list, set]]:

@@ -4,7 +4,9 @@ Each request is a daskllm node. Rather than planning and submitting every reques
 the :class:`Consolidator` plans the requests that arrive close together as one graph, so CSE
 works across requests, as in Halo and Harmonia. Where the requests need only engines, the
 plan is split into parts that share no task, and each part is one task that runs its plan on
-the least-loaded worker holding its engines (:mod:`daskllm.runtime.here`): a request is one
+a worker holding its engines, chosen by the placement plugin from its estimated tokens and
+each worker's queued tokens (streamed requests' included), so a short request goes to an idle
+engine rather than behind another's long prompt (:mod:`daskllm.runtime.here`): a request is one
 task, its dependent calls reach the engine with no scheduler round trip between them, and a
 quick request is never held back by a slow one planned beside it. Other work (a search over
 an index sharded across workers) is submitted as a normal plan, placed by the placement plugin.
@@ -27,11 +29,11 @@ import asyncio
 import itertools
 import logging
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import dask
 from distributed import as_completed
 
 from daskllm.models import model_name
@@ -100,9 +102,7 @@ class Consolidator:
         self._latency = 0.0  # recent request latency, arrival to value, seconds (EWMA)
         self._in_flight = 0  # micro-batches submitted whose values are not all delivered
         self._open: dict[str, asyncio.Future] = {}  # node key -> the value of its request pending or running
-        self._outstanding: dict[str, int] = {}  # worker -> requests sent to it and not yet answered
         self._held: tuple[float, dict] = (-math.inf, {})  # when, and which workers hold which engines
-        self._lock = threading.Lock()
         # Planning holds the GIL, so one planner thread is all that helps; results are awaited
         # on a wider pool (one thread per batch in flight).
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="daskllm-serve-plan")
@@ -171,9 +171,9 @@ class Consolidator:
         planned.add_done_callback(lambda f: self._submitted(loop, batch, f))
 
     def _submit(self, batch: list[Pending]) -> list[tuple]:
-        """Plan and submit a batch (planner thread): ``(future, node keys, worker)`` triples:
-        ``node keys`` a list of lists (the nodes whose value is each value of a part's future,
-        and the part's worker), or a str (a planned node's own future, worker None)."""
+        """Plan and submit a batch (planner thread): ``(future, node keys)`` pairs: ``node keys`` a
+        list of lists (the nodes whose value is each value of a part's future), or a str (a
+        planned node's own future)."""
         start = time.perf_counter()
         nodes = list({p.node.key: p.node for p in batch}.values())
         with overrides(dict(self.plan_options)):
@@ -186,13 +186,13 @@ class Consolidator:
                     by_output.setdefault(lowered.outputs[n.key], []).append(n.key)
                 deliveries = []
                 for part in parts:
-                    address = self._least_loaded(workers, len(part.keys))
-                    future = self.client.submit(run_here, part, workers=[address], allow_other_workers=True,
-                                                priority=-batch[0].order, pure=False)
-                    deliveries.append((future, [by_output[k] for k in part.keys], address))
+                    with dask.annotate(daskllm=part.annotation()):
+                        future = self.client.submit(run_here, part, workers=workers, allow_other_workers=True,
+                                                    priority=-batch[0].order, pure=False)
+                    deliveries.append((future, [by_output[k] for k in part.keys]))
             else:
                 submission = plan_and_submit(nodes, self.client, priority=-batch[0].order)
-                deliveries = [(f, n.key, None) for f, n in zip(submission.futures, nodes)]
+                deliveries = [(f, n.key) for f, n in zip(submission.futures, nodes)]
         seconds = time.perf_counter() - start
         self.stats.batches += 1
         self.stats.requests += len(batch)
@@ -211,13 +211,6 @@ class Consolidator:
         workers = set.intersection(*(set(held.get((kind, model_name(model)), ())) for kind, model in needed)) \
             if needed else set()
         return sorted(workers) or None
-
-    def _least_loaded(self, workers: list[str], requests: int) -> str:
-        """The worker with the fewest requests outstanding, now charged with ``requests`` more."""
-        with self._lock:
-            address = min(workers, key=lambda w: self._outstanding.get(w, 0))
-            self._outstanding[address] = self._outstanding.get(address, 0) + requests
-        return address
 
     def _holders(self) -> dict:
         at, held = self._held
@@ -250,18 +243,16 @@ class Consolidator:
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, deliveries: list, waiting: dict) -> None:
         """Hand each request its value as soon as its future finishes (waiter thread)."""
-        where = {f.key: (k, a) for f, k, a in deliveries}
-        for future, value in as_completed([f for f, _, _ in deliveries], with_results=True, raise_errors=False):
+        where = {f.key: k for f, k in deliveries}
+        for future, value in as_completed([f for f, _ in deliveries], with_results=True, raise_errors=False):
             if future.status == "error":
                 value = value[1]  # (type, exception, traceback)
-            node_keys, address = where[future.key]
+            node_keys = where[future.key]
             if isinstance(node_keys, str):
                 pairs = [(node_keys, value)]
             else:  # a part: a value (or error) per output, each the value of one or more nodes
                 values = value if isinstance(value, list) else [value] * len(node_keys)
                 pairs = [(k, v) for keys, v in zip(node_keys, values) for k in keys]
-                with self._lock:
-                    self._outstanding[address] -= len(node_keys)
             for key, v in pairs:
                 for p in waiting[key]:
                     loop.call_soon_threadsafe(_settle, p.result, v)
