@@ -70,7 +70,7 @@ from machine import log
 from machine import machine_info as shared_machine_info
 
 from daskllm import models
-from daskllm.engines import EngineSpec
+from daskllm.engines import EngineSpec, compute
 from daskllm.engines.protocol import SamplingParams
 
 ENGINES = ("torch", "llamacpp", "transformers")
@@ -253,9 +253,12 @@ class TransformersRunner:
 
         hf_logging.set_verbosity_error()  # generation-config notes on every call
         torch.set_num_threads(threads)
+        compute.run(torch.set_num_threads, threads)
         start = time.perf_counter()
         path = models.resolve(model)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # On the thread the engines compute on: a second computing thread would slow both
+        # (daskllm/engines/compute.py).
+        self.model = compute.run(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.load_s = time.perf_counter() - start
         eos = self.model.generation_config.eos_token_id
@@ -272,12 +275,15 @@ class TransformersRunner:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         start = time.perf_counter()
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                                      min_new_tokens=max_tokens, pad_token_id=self.eos)
+        out = compute.run(self._generate, ids, mask, max_tokens)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "tokens": out[:, width:].tolist()}
+
+    def _generate(self, ids, mask, max_tokens: int):
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                                       min_new_tokens=max_tokens, pad_token_id=self.eos)
 
     def info(self) -> dict:
         return {"engine": type(self.model).__name__, "load_s": self.load_s,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
+from daskllm.engines import compute
 from daskllm.engines.lifecycle import close_at_exit
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Batcher(Generic[Item, Result]):
         flat = [item for items, _ in batch for item in items]
         start = time.perf_counter()
         try:
-            results = list(self._run_batch(flat))
+            results = list(compute.run(self._run_batch, flat))  # the process's compute thread: compute.py
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("%s: batch failed", self._thread.name)
             self.failed += len(batch)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from daskllm import models
-from daskllm.engines import bert
+from daskllm.engines import bert, compute
 from daskllm.engines.batcher import Batcher
 from daskllm.engines.protocol import RequestError
 
@@ -61,6 +61,7 @@ class EmbedEngine:
         self.name = name or models.model_name(model)
         if num_threads:
             torch.set_num_threads(int(num_threads))
+            compute.run(torch.set_num_threads, int(num_threads))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_length, self.pooling, self.normalize = _sentence_transformers_config(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -72,14 +73,14 @@ class EmbedEngine:
 
             self._encoder = PoolingModel(path)
             self.batch_invariant = False
-        elif bert.is_supported(path):
-            self._encoder = bert.BertEncoder(path, device=str(self.device))
+        elif bert.is_supported(path):  # loaded, like every batch, on the compute thread (engines/compute.py)
+            self._encoder = compute.run(bert.BertEncoder, path, device=str(self.device))
             self.batch_invariant = True
         else:
-            self._encoder = _TransformersEncoder(path, self.device, tokenizer.pad_token_id or 0)
+            self._encoder = compute.run(_TransformersEncoder, path, self.device, tokenizer.pad_token_id or 0)
             self.batch_invariant = False
         self.backend = backend
-        self.dim = int(self._pool([[0, 0]]).shape[-1])
+        self.dim = int(compute.run(self._pool, [[0, 0]]).shape[-1])
         self._tokens = 0
         self._batcher: Batcher[list[int], np.ndarray] = Batcher(self._run, max_batch_items=max_batch_tokens,
                                                                 cost=len, name=f"embed-{self.name}")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from daskllm import models
+from daskllm.engines import compute
 from daskllm.engines.batcher import Batcher
 from daskllm.engines.embedder import EmbedEngine
 from daskllm.engines.protocol import RequestError
@@ -117,6 +118,7 @@ class CrossEncoderReranker:
         self.name = name or models.model_name(model)
         if num_threads:
             torch.set_num_threads(int(num_threads))
+            compute.run(torch.set_num_threads, int(num_threads))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._stats = RerankStats()
@@ -126,7 +128,8 @@ class CrossEncoderReranker:
             self.model = PoolingModel(path)
             run = self.model.score
         else:
-            self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
+            # loaded, like every batch, on the compute thread (engines/compute.py)
+            self.model = compute.run(lambda: AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval())
             run = self._run
         self._batcher: Batcher[tuple[str, str], float] = Batcher(run, max_batch_items=max_batch_pairs,
                                                                  name=f"rerank-{self.name}")

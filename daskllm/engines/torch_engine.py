@@ -16,6 +16,7 @@ import time
 import torch
 
 from daskllm import config, models
+from daskllm.engines import compute
 from daskllm.engines.cuda_graphs import DecodeGraphs
 from daskllm.engines.kv_cache import BlockManager
 from daskllm.engines.llama import LlamaModel, StepInput
@@ -48,22 +49,26 @@ class TorchEngine(SteppingEngine):
         max_num_seqs = max_num_seqs or config.get("engine.max-num-seqs")
         max_num_batched_tokens = max_num_batched_tokens or config.get("engine.max-num-batched-tokens")
         num_threads = num_threads or config.get("engine.num-threads")
-        if num_threads:
-            torch.set_num_threads(int(num_threads))
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = _resolve_dtype(dtype or config.get("engine.dtype"), device)
+        # CPU work goes to the process's compute thread (engines/compute.py); a GPU's stays on
+        # this engine's threads, where its CUDA graphs are captured and replayed.
+        self._compute = compute.run if torch.device(device).type == "cpu" else _inline
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+            self._compute(torch.set_num_threads, int(num_threads))
 
         if batch_invariant is None:
             batch_invariant = config.get("engine.batch-invariant", True)
-        self.model = LlamaModel(path, device=device, dtype=dtype, batch_invariant=bool(batch_invariant),
-                                backend=backend)
+        self.model = self._compute(LlamaModel, path, device=device, dtype=dtype,
+                                   batch_invariant=bool(batch_invariant), backend=backend)
         self.max_model_len = self.model.config.max_model_len
         self.vocab_size = self.model.config.vocab_size
         self._load_tokenizer(path)
         num_blocks = kv_cache_tokens // self.block_size
         if num_blocks < 1:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {self.block_size} tokens")
-        self.model.allocate_cache(num_blocks, self.block_size)
+        self._compute(self.model.allocate_cache, num_blocks, self.block_size)
         self._blocks = BlockManager(num_blocks, self.block_size)
         on_cpu = self.model.device.type == "cpu"
         self._scheduler = Scheduler(self._blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
@@ -152,7 +157,7 @@ class TorchEngine(SteppingEngine):
                 return
         start = time.perf_counter()
         try:
-            choices = self._forward(step)
+            choices = self._compute(self._forward, step)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             logger.exception("engine %s: forward pass failed", self.name)
             with self._state:
@@ -232,6 +237,10 @@ def _choices(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | torch.Ten
         for i, row in zip(rest, logits[rest].cpu()):
             out[i] = row
     return out
+
+
+def _inline(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 def _auto(value: int | str | None, key: str, device_default: int | None) -> int | None:
