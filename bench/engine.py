@@ -252,8 +252,7 @@ class TransformersRunner:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # generation-config notes on every call
-        torch.set_num_threads(threads)
-        compute.run(torch.set_num_threads, threads)
+        compute.set_num_threads(threads)
         start = time.perf_counter()
         path = models.resolve(model)
         # On the thread the engines compute on: a second computing thread would slow both

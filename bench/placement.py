@@ -154,15 +154,7 @@ def annotations(nodes) -> dict:
 
     with overrides({"passes": ["cse"], "granularity": "query"}):
         low = lowered(nodes)
-    out = {}
-    for layer in low.graph.layers.values():
-        get = (getattr(layer, "annotations", None) or {}).get("daskllm")
-        if get is None:
-            continue
-        for key in layer:
-            ann = get(key) if callable(get) else get.get(key)
-            if ann and ann.get("op") == "decode":
-                out[key] = ann
+    out = {key: ann for key, ann in low.annotations.items() if ann.get("op") == "decode"}
     return out
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 _local = threading.local()
@@ -33,6 +35,13 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     if getattr(_local, "computing", False):
         return fn(*args, **kwargs)
     return _executor().submit(_call, fn, args, kwargs).result()
+
+
+def set_num_threads(n: int) -> None:
+    """torch's intra-op threads, for the calling thread and the compute thread (OpenMP keeps the
+    setting per thread)."""
+    torch.set_num_threads(n)
+    run(torch.set_num_threads, n)
 
 
 def _call(fn, args, kwargs):

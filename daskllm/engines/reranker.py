@@ -117,8 +117,7 @@ class CrossEncoderReranker:
         path = models.resolve(model)
         self.name = name or models.model_name(model)
         if num_threads:
-            torch.set_num_threads(int(num_threads))
-            compute.run(torch.set_num_threads, int(num_threads))
+            compute.set_num_threads(int(num_threads))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._stats = RerankStats()

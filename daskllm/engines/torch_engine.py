@@ -53,10 +53,10 @@ class TorchEngine(SteppingEngine):
         dtype = _resolve_dtype(dtype or config.get("engine.dtype"), device)
         # CPU work goes to the process's compute thread (engines/compute.py); a GPU's stays on
         # this engine's threads, where its CUDA graphs are captured and replayed.
-        self._compute = compute.run if torch.device(device).type == "cpu" else _inline
+        on_cpu = torch.device(device).type == "cpu"
+        self._compute = compute.run if on_cpu else _inline
         if num_threads:
-            torch.set_num_threads(int(num_threads))
-            self._compute(torch.set_num_threads, int(num_threads))
+            compute.set_num_threads(int(num_threads))
 
         if batch_invariant is None:
             batch_invariant = config.get("engine.batch-invariant", True)
@@ -70,7 +70,6 @@ class TorchEngine(SteppingEngine):
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {self.block_size} tokens")
         self._compute(self.model.allocate_cache, num_blocks, self.block_size)
         self._blocks = BlockManager(num_blocks, self.block_size)
-        on_cpu = self.model.device.type == "cpu"
         self._scheduler = Scheduler(self._blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
                                     copy_rows=self.model.copy_rows,
                                     prefill_chunk=_auto(prefill_chunk_tokens, "prefill-chunk-tokens",
@@ -250,7 +249,7 @@ def _auto(value: int | str | None, key: str, device_default: int | None) -> int 
         value = config.get(f"engine.{key}", "auto")
     if value == "auto":
         return device_default
-    return int(value) or None if value is not None else None
+    return int(value) if value else None
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:

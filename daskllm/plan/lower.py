@@ -48,6 +48,7 @@ class Lowered:
     report: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # node key -> output task key
     remember: dict[str, tuple[list[str], bool]] = field(default_factory=dict)  # node key -> (hashes, batched)
+    annotations: dict[str, dict] = field(default_factory=dict)  # task key -> its placement annotation
 
     def task_keys(self) -> list:
         return [k for layer in self.graph.layers.values() for k in layer]
@@ -112,7 +113,7 @@ class Lowering:
                       applied=list(state(self.graph).applied),
                       prefill_lower_bound=prefill_lower_bound(self.memo.get("static_prompts", ())),
                       prefill_replica_tokens=self.memo.get("prefill_replica_tokens", 0))
-        return Lowered(HighLevelGraph(layers, deps), self.graph, report, self.outputs, self.remember)
+        return Lowered(HighLevelGraph(layers, deps), self.graph, report, self.outputs, self.remember, self.annotations)
 
     # --- what op modules use -----------------------------------------------------------------
 

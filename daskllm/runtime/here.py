@@ -146,15 +146,7 @@ def plan_here(nodes: list[Node]) -> tuple[list[PlannedHere], Lowered]:
 
 def _work(lowered: Lowered) -> dict:
     """Task key -> prompt plus output tokens, from the tasks' placement annotations."""
-    work = {}
-    for layer in lowered.graph.layers.values():
-        annotate = (getattr(layer, "annotations", None) or {}).get("daskllm")
-        if annotate is None:
-            continue
-        for key in layer:
-            if (a := annotate(key)) is not None:
-                work[key] = int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0))
-    return work
+    return {key: int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0)) for key, a in lowered.annotations.items()}
 
 
 def _independent(graph: dict, outputs: list) -> list[tuple[list, set]]:
