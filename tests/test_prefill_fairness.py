@@ -81,6 +81,18 @@ def test_prompts_under_the_threshold_share_steps_as_before():
     assert _advance(s, s.schedule()) == {"p0": 72, "p1": 72, "p2": 72}
 
 
+def test_chunks_count_cost_deep_into_a_prompt():
+    """With a context cost, a token c positions in weighs 1 + c / cost: chunks shrink with
+    depth, alone and yielding, so a step deep in a long prompt is no longer than a first one."""
+    s = _scheduler(prefill_chunk=128, long_prefill=256, context_cost=256)
+    s.add([_seq("long", 1000)])
+    sizes = [_advance(s, s.schedule())["long"] for _ in range(3)]
+    assert sizes == [128, 85, 69]  # 128 / (1 + 0), / (1 + 128/256), / (1 + 213/256)
+    s.add([_seq("short", 8)])
+    assert _advance(s, s.schedule()) == {"long": 6, "short": 8}  # 16 / (1 + 282/256) = 7.6: to the block's end
+    assert _advance(s, s.schedule()) == {"long": 7, "short": 1}  # 16 / (1 + 288/256) = 7.5
+
+
 def test_without_the_rule_a_running_prompt_takes_the_whole_budget():
     s = _scheduler()
     s.add([_seq("long", 2000)])

@@ -97,7 +97,7 @@ class _Group:
     t: int  # query positions per sequence
     m: int  # score rows per KV head: g * t padded (see invariant.pad_rows)
     spans: list[tuple[torch.Tensor, torch.Tensor, int]]  # runs of key tiles, in position order: their
-    # blocks [B * n * KEY_TILE_BLOCKS], their mask [B, 1, n, M, key tile], True where a key lies past
+    # blocks [B * n * KEY_TILE_BLOCKS], their mask [1, B, n, M, key tile], True where a key lies past
     # the row's position, and n, the tiles in the run
 
 
@@ -156,7 +156,7 @@ def _group(rows, positions: list[list[int]], tables: list[list[int]], bs: int, g
     table = torch.tensor([blocks[:n_blocks] + [0] * (n_blocks - len(blocks[:n_blocks])) for blocks in tables],
                          dtype=torch.long, device=device)
     # Rows are (query head within its KV group, position), then padding rows that see key 0.
-    row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device).view(b, 1, 1, m, 1)
+    row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device).view(1, b, 1, m, 1)
     width = KEY_TILE_BLOCKS * bs
     # Tiles go in runs, each computed by one batched call (the run's length changes no result:
     # see _attend); a run's scores stay within SPAN_FLOATS per KV head.
@@ -183,19 +183,18 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: 
     kv_heads, bs = k_cache.shape[1], k_cache.shape[2]
     g, m = heads // kv_heads, grp.m
     width = KEY_TILE_BLOCKS * bs
-    # Rows are (query head within its KV group, position): [B, Hkv, g*T -> M, d]
-    rows = q.float().view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
-    rows = (F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(d))).unsqueeze(2)  # [B, Hkv, 1, M, d]
-    peak = rows.new_full((b, kv_heads, 1, m, 1), float("-inf"))
-    total = rows.new_zeros((b, kv_heads, m, 1))
-    acc = rows.new_zeros((b, kv_heads, m, d))
+    # Everything is KV-head major, as the cache is stored (llama.allocate_cache): one head's
+    # gathered blocks are then its key tiles, contiguous, with no copy after the gather.
+    k_heads, v_heads = k_cache.transpose(0, 1), v_cache.transpose(0, 1)  # [Hkv, block, row, d]
+    # Rows are (query head within its KV group, position): [Hkv, B, g*T -> M, d]
+    rows = q.float().view(b, t, kv_heads, g, d).permute(2, 0, 3, 1, 4).reshape(kv_heads, b, g * t, d)
+    rows = (F.pad(rows, (0, 0, 0, m - g * t)) * (1.0 / math.sqrt(d))).unsqueeze(2)  # [Hkv, B, 1, M, d]
+    peak = rows.new_full((kv_heads, b, 1, m, 1), float("-inf"))
+    total = rows.new_zeros((kv_heads, b, m, 1))
+    acc = rows.new_zeros((kv_heads, b, m, d))
     for blocks, masked, n in grp.spans:
-        # index_select: the same gather as k_cache[blocks], several times faster on CPU; each tile
-        # is gathered into the [B, Hkv, tile, key, d] layout its products read contiguously.
-        keys = k_cache.index_select(0, blocks).view(b, n, KEY_TILE_BLOCKS, kv_heads, bs, d)
-        keys = keys.permute(0, 3, 1, 2, 4, 5).reshape(b, kv_heads, n, width, d)
-        values = v_cache.index_select(0, blocks).view(b, n, KEY_TILE_BLOCKS, kv_heads, bs, d)
-        values = values.permute(0, 3, 1, 2, 4, 5).reshape(b, kv_heads, n, width, d)
+        keys = k_heads.index_select(1, blocks).view(kv_heads, b, n, width, d)
+        values = v_heads.index_select(1, blocks).view(kv_heads, b, n, width, d)
         scores = torch.matmul(rows, keys.float().transpose(-1, -2)).masked_fill(masked, float("-inf"))
         peaks = torch.maximum(torch.cummax(scores.amax(dim=-1, keepdim=True), dim=2).values, peak)
         scales = torch.exp(torch.cat([peak, peaks[:, :, :-1]], dim=2) - peaks)  # 1 where a tile is all masked
@@ -207,7 +206,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: 
             acc = acc * scales[:, :, i] + products[:, :, i]
         peak = peaks[:, :, -1:]
     attn = (acc / total)[:, :, :g * t]
-    return attn.view(b, kv_heads, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, heads, d).to(q.dtype)
+    return attn.view(kv_heads, b, g, t, d).permute(1, 3, 0, 2, 4).reshape(b, t, heads, d).to(q.dtype)
 
 
 # --- Triton -----------------------------------------------------------------------------------------

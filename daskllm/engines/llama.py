@@ -157,6 +157,7 @@ class LlamaModel:
         self.lm_head = linear(head if head is not None else self.embed)
         # transformers computes cos/sin in float32 and casts them to the activations' dtype.
         self.cos, self.sin = (t.to(dtype) for t in _rope_tables(model_dir, cfg, self.device))
+        self.weight_elements = sum(t.numel() for t in self._weights_read_per_step())
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self._weights_read_per_step())
         self.k_cache = self.v_cache = None
         self.block_size = 0
@@ -171,6 +172,13 @@ class LlamaModel:
         yield self.lm_head.weight
 
     @property
+    def context_cost(self) -> float:
+        """The context length at which a token's attention does as many multiply-adds as its
+        projections (2 per head dimension and key per layer, against one per weight read)."""
+        c = self.config
+        return self.weight_elements / (2 * c.num_heads * c.head_dim * c.num_layers)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
@@ -178,13 +186,15 @@ class LlamaModel:
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Room for ``num_blocks`` blocks, plus one scratch block that padding rows write to."""
         c = self.config
-        # [layer, block, KV head, row in block, d]: a block's rows for one head are contiguous,
-        # so gathered blocks are already in the layout the attention matmuls read (no copy).
-        shape = (c.num_layers, num_blocks + 1, c.num_kv_heads, block_size, c.head_dim)
+        # Stored [layer, KV head, block, row in block, d], so one head's gathered blocks are
+        # contiguous: its key tiles in the layout the CPU attention matmuls read, gathered by one
+        # copy. Seen [layer, block, KV head, row, d] (a view), the layout writes index and the
+        # Triton kernel reads through strides.
+        shape = (c.num_layers, c.num_kv_heads, num_blocks + 1, block_size, c.head_dim)
         self.scratch_block = num_blocks
         # Zeros, not empty: masked attention weights are exact zeros, and 0 * NaN would not be.
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype).transpose(1, 2)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype).transpose(1, 2)
         self.block_size = block_size
 
     @torch.inference_mode()

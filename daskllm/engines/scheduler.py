@@ -12,9 +12,13 @@ Long prompts never hold others up for long. A sequence computes at most ``prefil
 prompt tokens in a step, so a step's length is bounded and a request that arrives waits at
 most one chunk. And a *long prefill* (a prompt of more than ``long_prefill`` tokens, while
 it is prefilled) yields: in a step that also carries other work (a decode, a shorter prompt,
-one waiting to start) it advances one block, so decodes and short requests run at nearly
-their own speed; alone, it takes whole chunks. Chunks change nothing in a sequence's output
-(the engines' reductions do not depend on how a prompt is split into steps).
+one waiting to start) it advances at most one block, so decodes and short requests run at
+nearly their own speed; alone, it takes whole chunks. With ``context_cost`` set, both limits
+count a token's cost rather than tokens: a token ``c`` positions into its prompt costs
+``1 + c / context_cost`` (it also attends to the ``c`` before it), so chunks deep in a long
+prompt take fewer tokens and a step's length stays bounded there too. Chunks change nothing
+in a sequence's output (the engines' reductions do not depend on how a prompt is split into
+steps).
 """
 
 from __future__ import annotations
@@ -79,13 +83,15 @@ def queue_by_priority(waiting: deque[Sequence], seq: Sequence) -> None:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  copy_rows: Callable[[int, int, int], None] | None = None, *,
-                 prefill_chunk: int | None = None, long_prefill: int | None = None):
+                 prefill_chunk: int | None = None, long_prefill: int | None = None,
+                 context_cost: float | None = None):
         self.blocks = blocks
         self.copy_rows = copy_rows  # (src block, dst block, rows): copies cached K/V rows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_chunk = max(1, min(prefill_chunk or max_num_batched_tokens, max_num_batched_tokens))
+        self.prefill_chunk = max(1, min(prefill_chunk, max_num_batched_tokens)) if prefill_chunk else None
         self.long_prefill = long_prefill  # None: no prefill yields
+        self.context_cost = context_cost  # None: chunk limits count tokens (module docstring)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -161,11 +167,22 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, shared: bool) -> int:
         """Tokens ``seq`` computes in the next step: what it has left, within the budget and
-        the chunk; a long prefill in a shared step advances to the end of its current block."""
-        n = min(len(seq.token_ids) - seq.num_computed, budget, self.prefill_chunk)
+        the chunk; a long prefill in a shared step, at most to the end of its current block."""
+        n = min(len(seq.token_ids) - seq.num_computed, budget)
+        if n <= 1:
+            return n
+        bs = self.blocks.block_size
         if shared and self._is_long(seq):
-            n = min(n, self.blocks.block_size - seq.num_computed % self.blocks.block_size)
-        return n
+            return min(n, self._tokens_costing(bs, seq.num_computed), bs - seq.num_computed % bs)
+        if self.prefill_chunk is None:  # no chunk limit: the step's budget is the only one
+            return n
+        return min(n, self._tokens_costing(self.prefill_chunk, seq.num_computed))
+
+    def _tokens_costing(self, limit: int, start: int) -> int:
+        """How many tokens from position ``start`` on cost at most ``limit`` (at least one)."""
+        if self.context_cost is None:
+            return limit
+        return max(1, int(limit / (1 + start / self.context_cost)))
 
     def _new_block_hashes(self, seq: Sequence, n: int) -> list[int]:
         """Hashes of the full blocks ``seq`` completes by computing its next ``n`` tokens.

@@ -75,7 +75,8 @@ class TorchEngine(SteppingEngine):
                                     prefill_chunk=_auto(prefill_chunk_tokens, "prefill-chunk-tokens",
                                                         CPU_PREFILL_CHUNK if on_cpu else None),
                                     long_prefill=_auto(long_prefill_tokens, "long-prefill-tokens",
-                                                       CPU_LONG_PREFILL if on_cpu else None))
+                                                       CPU_LONG_PREFILL if on_cpu else None),
+                                    context_cost=self.model.context_cost if on_cpu else None)
         if cuda_graphs is None:
             cuda_graphs = config.get("engine.cuda-graphs", True)
         self._graphs = None
