@@ -13,6 +13,9 @@ A block may be preceded, on the line right before its fence, by one marker:
 ``<!-- docs-test: skip: REASON -->``
     not run (still compiled): it needs what a test machine does not have, e.g. a GPU or a
     remote cluster. The reason is the skip's reason.
+``<!-- docs-test: needs: MODULE, ... -->``
+    run only where those modules import (e.g. a third-party tool the project does not
+    depend on); skipped, naming the missing one, where they do not.
 ``<!-- docs-test: continues -->``
     runs after the previous ```python block of the same file, as one program (that block's
     own program first, so chains work): for a block using names an earlier one defined.
@@ -30,6 +33,7 @@ print every option the command uses.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -45,7 +49,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK_TIMEOUT = 240  # seconds per block; a cluster start with smollm2 takes 10-20 s here
-MARKERS = {"skip", "continues"}
+MARKERS = {"skip", "continues", "needs"}
 
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<kind>[\w-]+)\s*(?::\s*(?P<reason>.*?))?\s*-->\s*$")
@@ -98,6 +102,9 @@ class Block:
     def skip_reason(self) -> str | None:
         if self.marker == "skip":
             return self.reason
+        if self.marker == "needs":
+            missing = [m for m in re.split(r"[,\s]+", self.reason or "") if m and importlib.util.find_spec(m) is None]
+            return f"needs {', '.join(missing)}, not installed" if missing else None
         if self.marker == "continues" and self.previous is not None:
             reason = self.previous.skip_reason()
             return reason and f"continues {self.previous.id}, skipped: {reason}"

@@ -86,3 +86,96 @@ def test_base64_embeddings_are_little_endian_float32():
     body = api.embedding_response("m", [np.array([1.0, -2.5])], "base64")
     raw = base64.b64decode(body["data"][0]["embedding"])
     assert np.frombuffer(raw, dtype="<f4").tolist() == [1.0, -2.5]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def tool_chat(**body):
+    body = {"tools": TOOLS, **body}
+    return api.chat_call(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                         **body))
+
+
+def test_tool_choice_sets_the_constraint_as_vllm_does():
+    assert "schema" not in tool_chat().options and tool_chat().tools.choice == "auto"
+    named = tool_chat(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.options["schema"] == {**TOOLS[0]["function"]["parameters"], "additionalProperties": False}
+    required = tool_chat(tool_choice="required", parallel_tool_calls=False).options["schema"]
+    assert required["type"] == "array" and required["maxItems"] == 1
+    assert [c["properties"]["name"] for c in required["items"]["anyOf"]] == [{"const": "get_weather"}, {"const": "now"}]
+    none = tool_chat(tool_choice="none")  # the request without tools: the model's own template
+    assert none.prompt is not None and "schema" not in none.options
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_fields_are_refused_by_name(body, param):
+    with pytest.raises(APIError) as error:
+        tool_chat(**body)
+    assert error.value.param == param and param in str(error.value)
+
+
+def test_tool_calls_are_parsed_from_hermes_and_llama_layouts():
+    from daskllm.serve.tools import parse
+
+    tools = tool_chat().tools
+    content, calls = parse(tools, 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                                  '\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    assert content == "Let me look." and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("now", "{}")]
+    _, calls = parse(tools, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+    # Not a call to one of the request's functions: it stays text.
+    assert parse(tools, '{"name": "rm", "arguments": {}}') == ('{"name": "rm", "arguments": {}}', [])
+    assert parse(tools, "It is sunny {today}.") == ("It is sunny {today}.", [])
+
+
+def test_tool_responses_and_streamed_deltas():
+    from daskllm.serve.tools import ToolStream
+
+    call = tool_chat()
+    result = api.Result('<tool_call>{"name": "now", "arguments": {}}</tool_call>', [1, 2], "eos", [3])
+    choice = api.chat_response(call, result, str)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    # Streamed: content goes out while it cannot be a call; the call comes whole at the end.
+    stream = ToolStream(call.tools)
+    deltas = [d for piece in ("Sure", ". <tool", '_call>{"name": "now", "arguments": {}}</tool_call>')
+              for d in stream.feed(piece)] + list(stream.finish())
+    assert deltas[:2] == [{"content": "Sure"}, {"content": ". "}] and stream.called
+    assert deltas[2]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    # A named function: its arguments stream as they come, the first delta naming the call.
+    named = ToolStream(tool_chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}).tools)
+    first, second = [d for piece in ('{"city": ', '"Paris"}') for d in named.feed(piece)]
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}
+
+
+def test_history_with_tool_calls_renders_with_the_tools():
+    from daskllm.prompts import tokenizer_for
+    from daskllm.serve.tools import render
+
+    messages = [{"role": "user", "content": "Weather in {Paris}?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    call = api.chat_call(api.ChatRequest(model="tiny", messages=messages, tools=TOOLS))
+    assert call.prompt is None and call.messages[1]["tool_calls"]
+    text = render(tokenizer_for("tiny").tokenizer, call.messages, call.tools)
+    assert '"name": "get_weather"' in text and "<tool_response>\nsunny\n</tool_response>" in text
+    assert "Weather in {Paris}?" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_chat_content_is_literal_text():
+    """Braces in a message are text, not template fields."""
+    call = api.chat_call(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": 'Say {"a": 1}'}]))
+    assert call.prompt.chat == (("user", (Text('Say {"a": 1}'),)),)

@@ -200,10 +200,13 @@ def test_requests_arriving_together_are_planned_together(cluster):
 
 
 def test_api_key_and_clean_shutdown_of_the_command(daskllm_cache, tmp_path):
-    """`daskllm serve` in a subprocess: needs its key, and SIGTERM stops it (and its cluster) cleanly."""
-    proc = subprocess.Popen([sys.executable, "-m", "daskllm.cli", "serve", "--model", "tiny", "--workers", "1",
-                             "--port", "0", "--api-key", "s3cret", "--dashboard-address", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    """`daskllm serve` in a subprocess: needs its key, logs each request on stderr, and SIGTERM stops
+    it (and its cluster) cleanly."""
+    log = tmp_path / "stderr.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "daskllm.cli", "serve", "--model", "tiny", "--workers", "1",
+                                 "--port", "0", "--api-key", "s3cret", "--dashboard-address", "127.0.0.1:0"],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             line = pool.submit(_listening_line, proc).result(timeout=240)
@@ -215,6 +218,9 @@ def test_api_key_and_clean_shutdown_of_the_command(daskllm_cache, tmp_path):
         assert "tiny" in [m.id for m in allowed.models.list()]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
+        lines = log.read_text().splitlines()
+        assert any('"GET /v1/models HTTP/1.1" 401' in line for line in lines), lines
+        assert any('"GET /v1/models HTTP/1.1" 200' in line and "latency=" in line for line in lines), lines
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -304,3 +310,88 @@ def test_a_stream_survives_its_worker_being_killed(client, cluster):
     assert "".join(pieces) == expected
     cluster.wait_for_workers(2, timeout=DEADLINE)  # the nanny restarts it for the tests after
     daskllm.worker.resident_models(cluster)
+
+
+TOOL = {"type": "function", "function": {"name": "record", "description": "Record a city and its country",
+                                         "parameters": {"type": "object", "required": ["city", "country"],
+                                                        "properties": {"city": {"type": "string", "maxLength": 12},
+                                                                       "country": {"type": "string", "maxLength": 12}}}}}
+
+
+def test_tool_calls_named_required_and_streamed(client):
+    """tool_choice naming a function (DocETL's default) or `required`: the output is constrained to
+    the call, so even tiny's random weights call it with arguments that follow the schema."""
+    import json
+
+    common = dict(model="tiny", messages=[{"role": "user", "content": "Paris, {France}"}], tools=[TOOL],
+                  max_tokens=60, temperature=0)
+    named = client.chat.completions.create(**common, tool_choice={"type": "function", "function": {"name": "record"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "record"
+    assert set(json.loads(call.function.arguments)) == {"city", "country"}
+    required = client.chat.completions.create(**common, tool_choice="required")
+    assert required.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    chunks = list(client.chat.completions.create(**common, tool_choice="required", stream=True))
+    streamed = "".join(tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ())
+    assert streamed == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # The call and its result in the history: rendered with the tools, answered as text.
+    history = [*common["messages"], named.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "recorded"}]
+    after = client.chat.completions.create(**{**common, "messages": history, "max_tokens": 4}, tool_choice="none",
+                                           extra_body={"return_token_ids": True})
+    assert after.choices[0].message.tool_calls is None
+    prompt = daskllm.prompts.tokenizer_for("tiny").tokenizer.decode(after.choices[0].model_extra["prompt_token_ids"])
+    assert call.function.arguments in prompt and "<tool_response>\nrecorded\n</tool_response>" in prompt
+
+
+def _engine_load(cluster) -> int:
+    def load(dask_worker):
+        engines = dask_worker.metrics["daskllm"]()["engines"]["llm"]  # what the heartbeat sends
+        return sum(s["running"] + s["waiting"] for s in engines.values())
+
+    return sum(cluster.run(load).values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_disconnects_cancels_its_request(url, cluster, stream):
+    """A long request whose client closes the connection: the engines are idle soon after (a poll
+    with a deadline; the time it took is printed: about 0.1 s on an idle machine)."""
+    import json
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    address = urlsplit(url)
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0,
+                       "ignore_eos": True, "stream": stream}).encode()
+    sock = socket.create_connection((address.hostname, address.port), timeout=DEADLINE)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                 + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + DEADLINE
+    while _engine_load(cluster) == 0:
+        assert time.monotonic() < deadline, "the request never reached an engine"
+    sock.close()
+    closed = time.monotonic()
+    while _engine_load(cluster) > 0:
+        assert time.monotonic() < closed + 5, "an engine still runs the request 5 s after its client left"
+    print(f"engines idle {time.monotonic() - closed:.3f} s after the client closed (stream={stream})")
+
+
+def test_errors_say_what_is_wrong_and_requests_are_logged(url, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="daskllm.serve.access"):
+        bad = httpx.post(f"{url}/chat/completions", content=b'{"model": "tiny",\n "messages": [}',
+                         headers={"content-type": "application/json", "x-request-id": "req-42"}, timeout=DEADLINE)
+        good = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3,
+                                                      "temperature": 0}, timeout=DEADLINE)
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "req-42"
+    error = bad.json()["error"]
+    assert error["param"] is None and error["type"] == "invalid_request_error"
+    assert "not valid JSON" in error["message"] and "Expecting value at line 2 column 15" in error["message"]
+    assert httpx.get(f"{url}/nowhere", timeout=DEADLINE).json()["error"]["type"] == "not_found_error"
+    lines = [r.getMessage() for r in caplog.records if r.name == "daskllm.serve.access"]
+    assert any('"POST /v1/chat/completions HTTP/1.1" 400' in line and "id=req-42" in line for line in lines), lines
+    assert any('"POST /v1/completions HTTP/1.1" 200 model=tiny prompt_tokens=' in line
+               and f"completion_tokens={good.json()['usage']['completion_tokens']}" in line for line in lines), lines

@@ -29,7 +29,7 @@ from daskllm.plan.ir import Node
 from daskllm.plan.lower import Lowered
 from daskllm.runtime import submit
 from daskllm.worker.execute import in_place
-from daskllm.worker.host import host, in_worker, priority_of
+from daskllm.worker.host import WORK_OF, host, in_worker, priority_of
 
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
@@ -52,9 +52,18 @@ class _InWorker:
         self.pool = pool
         self._max_workers = pool._max_workers  # what dask.threaded.get reads
         self.context = contextvars.copy_context()
+        self.task_key = getattr(thread_state, "key", None)
 
     def submit(self, fn, *args, **kwargs):
-        return self.pool.submit(self.context.copy().run, fn, *args, **kwargs)
+        return self.pool.submit(self.context.copy().run, _in_task, self.task_key, fn, *args, **kwargs)
+
+
+def _in_task(task_key, fn, *args, **kwargs):
+    """``fn`` on a shared thread (in its own context copy) as work of the worker task
+    ``task_key``: the engine requests it waits on are registered under that task
+    (``host().abortable``), so cancelling the task aborts them."""
+    WORK_OF.set(task_key)
+    return fn(*args, **kwargs)
 
 
 # What a task can compute in its own thread: no index shard, stream or other task's value to wait for.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
 from distributed import Client
 
+from daskllm import config
 from daskllm.cluster import DASHBOARD_ADDRESS, LocalLLMCluster
 from daskllm.models import DEFAULT_EMBEDDING_MODEL
 from daskllm.serve.server import run
@@ -36,10 +38,16 @@ from daskllm.worker import resident_models
               help="Serve the reference pipelines at /v1/pipelines/NAME (a source checkout; adds the default embedder).")
 @click.option("--dashboard-address", default=DASHBOARD_ADDRESS, show_default=True,
               help="The local cluster's dashboard.")
+@click.option("--access-log/--no-access-log", default=None,
+              help="A line per request on stderr: method, path, status, model, tokens, latency, request id "
+                   "(default: the config key daskllm.serve.access-log, true).")
 def serve_command(models, embedders, host, port, n_workers, threads_per_worker, scheduler, api_key, window,
-                  max_batch, no_consolidate, pipelines, dashboard_address):
+                  max_batch, no_consolidate, pipelines, dashboard_address, access_log):
     """Serve LLMs over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models), with requests consolidated into joint plans on a Dask cluster."""
+    if access_log is None:
+        access_log = bool(config.get("serve.access-log", True))
+    _log_to_stderr(access_log)
     if pipelines and not embedders:
         embedders = (DEFAULT_EMBEDDING_MODEL,)
     cluster = None
@@ -52,10 +60,20 @@ def serve_command(models, embedders, host, port, n_workers, threads_per_worker, 
                 resident_models(client)  # engines loaded before the first request
             service = Service(client, consolidate=not no_consolidate, window=window / 1000, max_batch=max_batch,
                               pipelines=pipelines)
-            run(service, host=host, port=port, api_key=api_key or None, on_started=_announce)
+            run(service, host=host, port=port, api_key=api_key or None, on_started=_announce, access_log=access_log)
     finally:
         if cluster is not None:
             cluster.close()
+
+
+def _log_to_stderr(access_log: bool) -> None:
+    """The server's log on stderr: errors always, each request's line with ``access_log``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    served = logging.getLogger("daskllm.serve")
+    served.addHandler(handler)
+    served.setLevel(logging.INFO if access_log else logging.WARNING)
+    served.propagate = False  # not twice where the root logger has a handler too
 
 
 def _announce(url: str) -> None:

@@ -102,6 +102,8 @@ class Consolidator:
         self._latency = 0.0  # recent request latency, arrival to value, seconds (EWMA)
         self._in_flight = 0  # micro-batches submitted whose values are not all delivered
         self._open: dict[str, asyncio.Future] = {}  # node key -> the value of its request pending or running
+        self._wanted: dict[str, int] = {}  # node key -> requests still waiting for its value
+        self._running: dict[str, tuple] = {}  # node key -> (its Dask future, every node key that future serves)
         self._held: tuple[float, dict] = (-math.inf, {})  # when, and which workers hold which engines
         # Planning holds the GIL, so one planner thread is all that helps; results are awaited
         # on a wider pool (one thread per batch in flight).
@@ -124,7 +126,7 @@ class Consolidator:
         now = time.monotonic()
         same = self._open.get(node.key)
         if same is not None:
-            return await asyncio.shield(same)
+            return await self._waited(node.key, same)
         deadline = loop.time() + deadline_ms / 1000 if deadline_ms is not None else math.inf
         pending = Pending(self.order_key(priority, deadline_ms, now), next(self._seq), node, deadline,
                           loop.create_future())
@@ -132,13 +134,43 @@ class Consolidator:
         self._open[node.key] = pending.result
         self._schedule(loop)
         try:
-            # Shielded: a client that goes away must not cancel the value others share.
-            return await asyncio.shield(pending.result)
+            return await self._waited(node.key, pending.result)
         finally:
             if self._open.get(node.key) is pending.result:
                 del self._open[node.key]
+            if node.key not in self._wanted:
+                self._running.pop(node.key, None)
             latency = time.monotonic() - now
             self._latency = latency if not self._latency else 0.9 * self._latency + 0.1 * latency
+
+    async def _waited(self, key: str, result: asyncio.Future):
+        """``result``, shielded: a client that goes away must not cancel a value others share.
+        When the last request waiting for it goes first, its work is cancelled: Dask's cancel
+        aborts the engine requests, and the engine drops them at its next step."""
+        self._wanted[key] = self._wanted.get(key, 0) + 1
+        try:
+            return await asyncio.shield(result)
+        finally:
+            self._wanted[key] -= 1
+            if not self._wanted[key]:
+                del self._wanted[key]
+                if not result.done():  # its request went away before the value came
+                    self._abandon(key, result)
+
+    def _abandon(self, key: str, result: asyncio.Future) -> None:
+        self._pending = [p for p in self._pending if p.node.key != key]  # not planned yet: never will be
+        result.cancel()
+        if key in self._running:  # else a micro-batch being planned holds it: see _submitted
+            self._cancel_unwanted(*self._running[key])
+
+    def _cancel_unwanted(self, future, keys: list[str]) -> None:
+        """Cancel a submitted future once no request wants a value it computes (a part may
+        compute the values of other requests planned with this one)."""
+        if any(k in self._wanted for k in keys):
+            return
+        for k in keys:
+            self._running.pop(k, None)
+        self.client.loop.add_callback(self.client._cancel, [future])
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._pending or self._planning:
@@ -231,6 +263,10 @@ class Consolidator:
             waiting: dict[str, list[Pending]] = {}
             for p in batch:
                 waiting.setdefault(p.node.key, []).append(p)
+            for future, node_keys in futures:
+                keys = [node_keys] if isinstance(node_keys, str) else [k for ks in node_keys for k in ks]
+                self._running.update((k, (future, keys)) for k in keys if k in self._wanted)
+                self._cancel_unwanted(future, keys)  # its requests went away while it was planned
             self._in_flight += 1
             delivered = loop.run_in_executor(self._waiters, self._deliver, loop, futures, waiting)
             delivered.add_done_callback(lambda _: self._delivered())

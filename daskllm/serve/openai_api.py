@@ -19,7 +19,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from daskllm.prompts import Prompt, as_prompt, chat, tokens
+from daskllm.prompts import Prompt, Text, as_prompt, chat, tokens
+from daskllm.serve.tools import ToolCall, ToolError, Tools, parse, tools_of
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -81,6 +82,9 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
 
 
 class ChatRequest(_Request):
@@ -89,6 +93,9 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class EmbeddingRequest(BaseModel):
@@ -114,7 +121,7 @@ class Call:
 
     kind: str  # "completion" or "chat"
     model: str
-    prompt: Prompt
+    prompt: Prompt | None  # None: ``messages`` rendered with ``tools`` by the model's template
     options: dict
     stream: bool = False
     include_usage: bool = False
@@ -122,6 +129,8 @@ class Call:
     logprobs: int | None = None  # what the client asked for (the call always computes logprobs=0 or more)
     priority: int = 0
     deadline_ms: float | None = None
+    tools: Tools | None = None
+    messages: list[dict] | None = None  # the chat, where the prompt is rendered with tools
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -207,14 +216,41 @@ def chat_call(req: ChatRequest) -> Call:
             text = "".join(p.text or "" for p in m.content)
         else:
             text = m.content or ""
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(f"messages[{i}].tool_calls: only an assistant message makes tool calls", param="messages")
+        message = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            message.update(tool_call_id=m.tool_call_id, name=m.name)
+        messages.append(message)
+    try:
+        tools = tools_of(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolError as exc:
+        raise APIError(str(exc), param=exc.param) from None
     options = _options(req, req.max_completion_tokens or req.max_tokens, 512)
     if req.response_format:
         options.update(_response_format(req.response_format))
+    if tools is not None and (schema := tools.schema()) is not None:
+        if any(k in options for k in ("schema", "choices", "regex")):
+            raise APIError(f"tool_choice {tools.choice!r} constrains the output: it cannot be combined with "
+                           f"response_format or structured_outputs", param="tool_choice")
+        options["schema"] = schema
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError("top_logprobs must be between 0 and 20", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _call("chat", req, chat(messages), options, logprobs)
+    if (tools is None or tools.choice == "none") and not any(m["role"] == "tool" or "tool_calls" in m
+                                                             for m in messages):
+        # No tools in sight: the model's own template, as for any chat. The content is literal
+        # text (an OpenAI message has no template fields: braces are braces).
+        literal = [{"role": m["role"], "content": Prompt((Text(m["content"]),) if m["content"] else (), {})}
+                   for m in messages]
+        call = _call("chat", req, chat(literal), options, logprobs)
+    else:
+        call = _call("chat", req, None, options, logprobs)
+        call.messages = messages
+    call.tools = tools
+    return call
 
 
 def _response_format(fmt: dict) -> dict:
@@ -303,9 +339,21 @@ def completion_response(calls: list[Call], results: list[Result], detok) -> dict
             "choices": choices, "usage": usage(results)}
 
 
+def finish_reason(result: Result, called: bool) -> str:
+    """OpenAI's finish reason: ``tool_calls`` when the answer is calls, unless cut by ``max_tokens``."""
+    if called and result.finish_reason != "length":
+        return "tool_calls"
+    return FINISH.get(result.finish_reason, result.finish_reason)
+
+
 def chat_response(call: Call, r: Result, detok) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": r.text},
-              "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+    message: dict = {"role": "assistant", "content": r.text}
+    calls: list[ToolCall] = []
+    if call.tools is not None:
+        message["content"], calls = parse(call.tools, r.text)
+        if calls:
+            message["tool_calls"] = [c.as_dict() for c in calls]
+    choice = {"index": 0, "message": message, "finish_reason": finish_reason(r, bool(calls)),
               "logprobs": _chat_logprobs(r, detok) if call.logprobs is not None else None}
     if call.return_token_ids:
         choice.update(token_ids=r.token_ids, prompt_token_ids=r.prompt_token_ids)
@@ -313,12 +361,15 @@ def chat_response(call: Call, r: Result, detok) -> dict:
             "choices": [choice], "usage": usage([r])}
 
 
-def chunk(call: Call, delta: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
-    """One server-sent event of a streamed response."""
+def chunk(call: Call, delta: str | dict | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
+    """One server-sent event of a streamed response; a chat's ``delta`` may be a whole delta
+    (a tool call's)."""
     finish = FINISH.get(finish_reason, finish_reason) if finish_reason else None
     if call.kind == "chat":
-        message: dict = {"role": "assistant", "content": delta or ""} if first else \
-            ({"content": delta} if delta else {})
+        if isinstance(delta, dict):
+            message: dict = delta
+        else:
+            message = {"role": "assistant", "content": delta or ""} if first else ({"content": delta} if delta else {})
         return {"id": f"chatcmpl-{call.id}", "object": "chat.completion.chunk", "created": call.created,
                 "model": call.model, "choices": [{"index": 0, "delta": message, "finish_reason": finish,
                                                    "logprobs": None}]}

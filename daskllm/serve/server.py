@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from daskllm import config
 from daskllm.serve.app import create_app
 from daskllm.serve.service import Service
 
@@ -43,7 +44,7 @@ def base_url(sock: socket.socket) -> str:
 
 
 def run(service: Service, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-        on_started: Callable[[str], None] = print, log_level: str = "warning") -> None:
+        on_started: Callable[[str], None] = print, log_level: str = "warning", access_log: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM), then return: the caller closes its cluster.
 
     uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default
@@ -51,22 +52,28 @@ def run(service: Service, *, host: str = "127.0.0.1", port: int = 8000, api_key:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sock = bind(host, port)
     url = base_url(sock)
-    server = _Server(uvicorn.Config(create_app(service, api_key=api_key), log_level=log_level),
-                     lambda: on_started(url))
+    # uvicorn's own access log is off: the app's has the model, tokens and request id.
+    server = _Server(uvicorn.Config(create_app(service, api_key=api_key, access_log=access_log),
+                                    log_level=log_level, access_log=False), lambda: on_started(url))
     server.run(sockets=[sock])
 
 
 @contextlib.contextmanager
 def serving(client, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-            timeout: float = 60.0, **service_options) -> Iterator[str]:
+            timeout: float = 60.0, access_log: bool | None = None, **service_options) -> Iterator[str]:
     """Serve ``client``'s cluster from a background thread; yields the base URL (``.../v1``).
 
+    ``access_log``: log each request to ``daskllm.serve.access`` (default: the config key
+    ``daskllm.serve.access-log``; where the lines go is the program's logging setup).
     ``service_options`` go to :class:`Service` (``consolidate``, ``window``, ``max_batch``,
     ``pipelines``, ``pipelines_index``, ``plan_options``)."""
+    if access_log is None:
+        access_log = bool(config.get("serve.access-log", True))
     service = Service(client, **service_options)
     sock = bind(host, port)
     started = threading.Event()
-    server = _Server(uvicorn.Config(create_app(service, api_key=api_key), log_level="warning"), started.set)
+    server = _Server(uvicorn.Config(create_app(service, api_key=api_key, access_log=access_log), log_level="warning",
+                                    access_log=False), started.set)
     failed: list[BaseException] = []
 
     def run_server():

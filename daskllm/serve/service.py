@@ -19,12 +19,13 @@ from collections.abc import AsyncIterator
 from daskllm import config
 from daskllm.api import embed, generate
 from daskllm.plan.items import prompt_calls
-from daskllm.prompts import tokenizer_for
+from daskllm.prompts import tokenizer_for, tokens
 from daskllm.retrieval import ShardedIndex
 from daskllm.runtime.view import take_view
 from daskllm.serve.consolidate import Consolidator
 from daskllm.serve.openai_api import APIError, Call, PipelineRequest, Result
 from daskllm.serve.relay import StreamRelay
+from daskllm.serve.tools import ToolError, render
 
 MODELS_TTL = 5.0  # seconds a view of what the workers hold is reused
 
@@ -78,10 +79,24 @@ class Service:
 
     def node(self, call: Call):
         """The daskllm call of a request (a bad option is an APIError naming it)."""
+        prompt = call.prompt if call.prompt is not None else self.tool_prompt(call)
         try:
-            return generate(call.prompt, model=call.model, **call.options, logprobs=call.logprobs or 0)
+            return generate(prompt, model=call.model, **call.options, logprobs=call.logprobs or 0)
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc)) from None
+
+    @staticmethod
+    def tool_prompt(call: Call):
+        """A chat with tools, rendered by the model's template (transformers' ``tools=``) into the
+        token ids the template's text has, as a chat without tools gets."""
+        tokenizer = tokenizer_for(call.model)
+        try:
+            text = render(tokenizer.tokenizer, call.messages, call.tools)
+        except ToolError as exc:
+            raise APIError(str(exc), param=exc.param) from None
+        except Exception as exc:  # noqa: BLE001 - a template's own error (jinja) names what it needs
+            raise APIError(f"messages: the chat template cannot render them: {exc}", param="messages") from None
+        return tokens(tokenizer.encode(text, False), call.model)
 
     @staticmethod
     def prompt_ids(node) -> list[int]:

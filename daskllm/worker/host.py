@@ -46,6 +46,8 @@ class EngineLoadError(RuntimeError):
     """A configured model could not be loaded; the worker keeps no engine at all."""
 
 
+# The worker task whose work a thread outside Dask's pool does (daskllm.runtime.here's threads).
+WORK_OF: contextvars.ContextVar[str | None] = contextvars.ContextVar("daskllm_work_of", default=None)
 UNWANTED = ("cancelled", "released", "forgotten")  # worker task states: nobody will read the result
 
 
@@ -145,7 +147,7 @@ class EngineHost(WorkerPlugin):
 
         Work a task runs in its own thread (a plan computed in place, as a table partition
         does) is registered under that running task's key: cancelling it aborts the work."""
-        task_key = getattr(thread_state, "key", None) or task_key
+        task_key = getattr(thread_state, "key", None) or WORK_OF.get() or task_key
         self._aborts.setdefault(task_key, []).append(abort)
         if not _wanted(task_key):  # cancelled before its work was registered here
             self.transition(task_key, None, "cancelled")
