@@ -96,9 +96,9 @@ class _Group:
     b: int  # sequences
     t: int  # query positions per sequence
     m: int  # score rows per KV head: g * t padded (see invariant.pad_rows)
-    spans: list[tuple[torch.Tensor, torch.Tensor, int]]  # runs of key tiles, in position order: their
-    # blocks [B * n * KEY_TILE_BLOCKS], their mask [1, B, n, M, key tile], True where a key lies past
-    # the row's position, and n, the tiles in the run
+    spans: list[tuple[torch.Tensor, torch.Tensor | None, int]]  # runs of key tiles, in position order:
+    # their blocks [B * n * KEY_TILE_BLOCKS], their mask [1, B, n, M, key tile], True where a key lies
+    # past the row's position (None: no key does), and n, the tiles in the run
 
 
 class CpuBackend:
@@ -158,6 +158,7 @@ def _group(rows, positions: list[list[int]], tables: list[list[int]], bs: int, g
     # Rows are (query head within its KV group, position), then padding rows that see key 0.
     row_pos = torch.tensor([p * g + [0] * (m - g * t) for p in positions], device=device).view(1, b, 1, m, 1)
     width = KEY_TILE_BLOCKS * bs
+    lowest = min(p[0] for p in positions)
     # Tiles go in runs, each computed by one batched call (the run's length changes no result:
     # see _attend); a run's scores stay within SPAN_FLOATS per KV head.
     per_run = max(1, SPAN_FLOATS // (b * m * width))
@@ -166,7 +167,9 @@ def _group(rows, positions: list[list[int]], tables: list[list[int]], bs: int, g
         last = min(n_blocks, first + per_run * KEY_TILE_BLOCKS)
         n = (last - first) // KEY_TILE_BLOCKS
         key_pos = torch.arange(first * bs, last * bs, device=device).view(1, 1, n, 1, width)
-        spans.append((table[:, first:last].reshape(-1), key_pos > row_pos, n))
+        # A run every query row sees whole needs no mask (padding rows, discarded, may see more).
+        masked = None if last * bs - 1 <= lowest else key_pos > row_pos
+        spans.append((table[:, first:last].reshape(-1), masked, n))
     return _Group(rows, b, t, m, spans)
 
 
@@ -195,10 +198,12 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: 
     for blocks, masked, n in grp.spans:
         keys = k_heads.index_select(1, blocks).view(kv_heads, b, n, width, d)
         values = v_heads.index_select(1, blocks).view(kv_heads, b, n, width, d)
-        scores = torch.matmul(rows, keys.float().transpose(-1, -2)).masked_fill(masked, float("-inf"))
+        scores = torch.matmul(rows, keys.float().transpose(-1, -2))
+        if masked is not None:
+            scores.masked_fill_(masked, float("-inf"))
         peaks = torch.maximum(torch.cummax(scores.amax(dim=-1, keepdim=True), dim=2).values, peak)
         scales = torch.exp(torch.cat([peak, peaks[:, :, :-1]], dim=2) - peaks)  # 1 where a tile is all masked
-        weights = torch.exp(scores - peaks)
+        weights = scores.sub_(peaks).exp_()  # in place: the scores are not read again
         sums = weights.sum(dim=-1, keepdim=True)
         products = torch.matmul(weights, values.float())
         for i in range(n):  # in position order
