@@ -93,6 +93,14 @@ def test_chunks_count_cost_deep_into_a_prompt():
     assert _advance(s, s.schedule()) == {"long": 7, "short": 1}  # 16 / (1 + 288/256) = 7.5
 
 
+def test_a_tail_of_a_block_or_less_goes_with_the_chunk_before_it():
+    """256 then 240 by cost would leave 16 tokens for a step of their own (a whole pass over the
+    weights): they join the second chunk."""
+    s = _scheduler(prefill_chunk=256, long_prefill=1024, context_cost=3892)
+    s.add([_seq("p", 512)])
+    assert [_advance(s, s.schedule())["p"] for _ in range(2)] == [256, 256]
+
+
 def test_without_the_rule_a_running_prompt_takes_the_whole_budget():
     s = _scheduler()
     s.add([_seq("long", 2000)])

@@ -16,7 +16,8 @@ one waiting to start) it advances at most one block, so decodes and short reques
 nearly their own speed; alone, it takes whole chunks. With ``context_cost`` set, both limits
 count a token's cost rather than tokens: a token ``c`` positions into its prompt costs
 ``1 + c / context_cost`` (it also attends to the ``c`` before it), so chunks deep in a long
-prompt take fewer tokens and a step's length stays bounded there too. Chunks change nothing
+prompt take fewer tokens and a step's length stays bounded there too. (A prompt's tail of at
+most a block joins the chunk before it rather than take a step alone.) Chunks change nothing
 in a sequence's output (the engines' reductions do not depend on how a prompt is split into
 steps).
 """
@@ -176,7 +177,10 @@ class Scheduler:
             return min(n, self._tokens_costing(bs, seq.num_computed), bs - seq.num_computed % bs)
         if self.prefill_chunk is None:  # no chunk limit: the step's budget is the only one
             return n
-        return min(n, self._tokens_costing(self.prefill_chunk, seq.num_computed))
+        chunk = self._tokens_costing(self.prefill_chunk, seq.num_computed)
+        # A tail of a block or less goes with this chunk: a step of its own would cost a whole
+        # pass over the weights for a few tokens.
+        return n if n - chunk <= bs else chunk
 
     def _tokens_costing(self, limit: int, start: int) -> int:
         """How many tokens from position ``start`` on cost at most ``limit`` (at least one)."""
