@@ -73,7 +73,7 @@ def planned(nodes: list[Node], client=None) -> Lowered:
     """:func:`plan`, for submission: a model no worker holds fails here, naming it."""
     view = take_view(client)
     lowered = plan(nodes, view=view)
-    check_served(view, {engine for n in lowered.plan if (engine := engine_of(n)) is not None})
+    check_served(view, {engine for n in lowered.plan if (engine := engine_of(n)) is not None}, client)
     return lowered
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 
@@ -24,15 +26,35 @@ def current_client():
         return None
 
 
-def take_view(client=None) -> ClusterView:
+VIEW_TTL = 2.0  # seconds a view is reused (distributed's own scheduler-info-interval)
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> (taken at, view)
+
+
+def take_view(client=None, *, fresh: bool = False) -> ClusterView:
     """What the workers of ``client``'s cluster hold, from the scheduler's view of their
-    heartbeats (one round trip). Without a client: the local view. An asynchronous client
-    cannot be asked from synchronous planning: on a cluster, holdings unknown."""
+    heartbeats. Without a client: the local view. An asynchronous client cannot be asked from
+    synchronous planning: on a cluster, holdings unknown.
+
+    A view is reused for ``VIEW_TTL`` seconds (``fresh``: asked again), so a burst of small
+    computations costs one round trip, not one each. A view only shapes plans (how many
+    holders to split work among); one that says a model is missing is asked again before that
+    is an error (:func:`check_served`)."""
     client = client if client is not None else current_client()
     if client is None:
         return LOCAL
     if client.asynchronous:
         return ClusterView(on_cluster=True)
+    now = time.monotonic()
+    taken = None if fresh else _views.get(client)
+    if taken is not None and now - taken[0] < VIEW_TTL:
+        return taken[1]
+    view = _asked(client)
+    _views[client] = (now, view)
+    return view
+
+
+def _asked(client) -> ClusterView:
+    """The view, from the scheduler (one round trip)."""
     holders: Counter = Counter()
     reporting = 0
     for info in _workers_info(client):
@@ -56,6 +78,11 @@ def model_workers(client) -> dict[tuple[str, str], list[str]]:
     return out
 
 
+def _missing(view: ClusterView, needed: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    held = view.held()
+    return sorted((kind, model) for kind, model in set(needed) if model_name(model) not in held.get(kind, {}))
+
+
 def _workers_info(client) -> list[dict]:
     try:
         return list(client.scheduler_info(n_workers=-1)["workers"].values())
@@ -63,16 +90,22 @@ def _workers_info(client) -> list[dict]:
         return list(client.scheduler_info()["workers"].values())
 
 
-def check_served(view: ClusterView, needed: Iterable[tuple[str, str]]) -> None:
+def check_served(view: ClusterView, needed: Iterable[tuple[str, str]], client=None) -> None:
     """Raise :class:`ModelNotServedError` if a ``(kind, model)`` in ``needed`` is held by no
-    worker in ``view``, naming what the workers hold. Does nothing inside a task (its job was
-    checked when it was submitted) or while no worker reports daskllm engines."""
+    worker in ``view`` (asked again first, if it was reused), naming what the workers hold.
+    Does nothing inside a task (its job was checked when it was submitted) or while no worker
+    reports daskllm engines."""
     if not view.reporting or in_worker():
         return
-    held = view.held()
-    missing = sorted((kind, model) for kind, model in set(needed) if model_name(model) not in held.get(kind, {}))
+    missing = _missing(view, needed)
+    if missing:
+        client = client if client is not None else current_client()
+        if client is not None and not client.asynchronous and view is not LOCAL:
+            view = take_view(client, fresh=True)
+            missing = _missing(view, needed)
     if not missing:
         return
+    held = view.held()
     holdings = "; ".join(f"{kind}: " + ", ".join(f"{name} ({count} worker{'s' * (count > 1)})"
                                                 for name, count in sorted(models.items()))
                          for kind, models in sorted(held.items()) if models) or "nothing"

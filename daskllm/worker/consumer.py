@@ -32,13 +32,17 @@ class _Item:
 
 
 def _is_lazy(value) -> bool:
-    if dask.is_dask_collection(value):
-        return True
     if isinstance(value, (list, tuple)):
-        return any(dask.is_dask_collection(v) for v in value)
+        return any(map(_is_collection, value))
     if isinstance(value, dict):
-        return any(dask.is_dask_collection(v) for v in value.values())
-    return False
+        return any(map(_is_collection, value.values()))
+    return _is_collection(value)
+
+
+def _is_collection(value) -> bool:
+    """A Dask collection, by its type: ``dask.is_dask_collection`` builds the graph to ask (for
+    a daskllm node, a whole plan, made again when the items are submitted together)."""
+    return not isinstance(value, type) and hasattr(type(value), "__dask_graph__")
 
 
 class Consumer:
@@ -281,7 +285,9 @@ class Consumer:
     def _loop(self, client, producer) -> None:
         while True:
             try:
-                events = [self._events.get(timeout=0.5)]
+                # Wait only with nothing to do: items given up front are ready at once. The
+                # timeout is for noticing a cancelled task.
+                events = [] if self._ready else [self._events.get(timeout=0.5)]
             except queue_mod.Empty:
                 events = []
             while True:
