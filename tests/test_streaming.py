@@ -122,6 +122,26 @@ def test_a_consumer_reads_several_streams_of_one_decode_and_fills_gaps_from_its_
         consumer._records([["error", None, "boom", None, "run1"]])
 
 
+def test_a_consumer_given_its_items_starts_them_without_waiting_for_an_event():
+    """Items given up front (an ``each`` over a list, not a stream) are ready at once: the loop
+    runs their stages before it ever blocks on its event queue (it used to wait 0.5 s first,
+    at every pmap level of a pipeline)."""
+    import queue
+
+    from daskllm.streaming.stages import PmapSpec, Stage
+    from daskllm.streaming.wire import Source
+    from daskllm.worker.consumer import Consumer
+
+    class NoWaiting(queue.SimpleQueue):
+        def get(self, block=True, timeout=None):
+            raise AssertionError("the loop waited for an event with items ready")
+
+    consumer = Consumer("pmap-x", PmapSpec((Stage(str.upper),)), Source(), [(0, ["a", "b"], [], ())])
+    consumer._events = NoWaiting()
+    consumer._loop(client=None, producer=None)
+    assert consumer._result() == [["A", "B"]]
+
+
 def test_local_pmap_over_a_split_generation_matches_splitting_the_text(tiny_model_dir):
     text = daskllm.generate("Once upon a time", max_tokens=48, ignore_eos=True).compute()
     items = stream().compute()
