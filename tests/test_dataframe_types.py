@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 import daskllm
-from daskllm.dataframe import RowError, arrow_types
+from daskllm.dataframe import RowError
 from daskllm.dataframe.cells import ROW_ERROR
 from daskllm.dataframe.ops import KEY
 from daskllm.dataframe.rows import render
@@ -205,7 +205,12 @@ OPERATORS = {
     "search": lambda ddf, index: ddf.llm.search(index, "t", k=2, out="hits"),
     "rerank": lambda ddf, index: ddf.llm.rerank("t", "docs", k=1, out="best"),
     "topk": lambda ddf, index: ddf.llm.topk("Rate {t}", 3),
+    "choices": lambda ddf, index: ddf.llm.map("About {t}:", choices=["json", "csv", "other"], out="kind"),
+    "schema": lambda ddf, index: ddf.llm.map("About {t}:", schema=FLAT, max_tokens=12, out="info", on_error="null"),
 }
+FLAT = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"], "additionalProperties": False}
+CSV = ("map", "map-errors", "filter", "extract", "topk", "choices")  # flat types: CSV holds them, read with dtypes
 
 EXPECTED = {
     "map": {"a": STRING},
@@ -217,6 +222,8 @@ EXPECTED = {
                                                          ("text", pa.string())])))},
     "rerank": {"best": pd.ArrowDtype(pa.list_(pa.string()))},
     "topk": {"rating": pd.Int64Dtype()},
+    "choices": {"kind": pd.CategoricalDtype(["json", "csv", "other"])},
+    "schema": {"info": pd.ArrowDtype(pa.struct([("name", pa.string()), ("n", pa.int64())])), "info_error": STRING},
 }
 
 
@@ -228,8 +235,19 @@ def index(client):
     index.drop()
 
 
+def same_values(back: pd.DataFrame, written: pd.DataFrame) -> None:
+    """Equal values and dtypes; a text column comes back as pandas' own string dtype (the name
+    ``string[pyarrow]`` that parquet stores means that dtype to pandas), with the same values."""
+    back = back.rename_axis(written.index.name)
+    for column, dtype in written.dtypes.items():
+        if dtype == STRING:
+            assert back[column].dtype == "string", (column, back[column].dtype)
+            back[column] = back[column].astype(STRING)
+    pd.testing.assert_frame_equal(back, written, check_index_type=False)
+
+
 @pytest.mark.parametrize("name", list(OPERATORS))
-def test_every_operator_has_a_fixed_arrow_schema_through_parquet(client, index, name, tmp_path):
+def test_every_operator_has_a_fixed_arrow_schema_and_reads_back_with_no_option(client, index, name, tmp_path):
     out = OPERATORS[name](frame_with_gaps(), index)
     for column, dtype in EXPECTED.get(name, {}).items():
         assert out.dtypes[column] == dtype, (column, out.dtypes[column])
@@ -240,6 +258,26 @@ def test_every_operator_has_a_fixed_arrow_schema_through_parquet(client, index, 
     if name == "map-errors":
         assert plain(computed["a_error"]) == [None, None, "field 't' is null", "field 't' is null"]
     out.to_parquet(tmp_path / name)
-    back = dd.read_parquet(tmp_path / name, arrow_to_pandas={"types_mapper": arrow_types}).compute()
-    assert back.dtypes.to_dict() == computed.dtypes.to_dict()
-    pd.testing.assert_frame_equal(back, computed, check_index_type=False)
+    same_values(dd.read_parquet(tmp_path / name).compute(), computed)  # no reader option
+    same_values(pd.read_parquet(tmp_path / name), computed)
+    if name in CSV:
+        columns = ["t", *EXPECTED.get(name, {})]  # not the input's list column: CSV has no lists
+        out[columns].to_csv(tmp_path / f"{name}-csv")
+        parts = sorted((tmp_path / f"{name}-csv").iterdir())
+        dtypes = {c: "string" if d == STRING else d for c, d in computed[columns].dtypes.items()}
+        same_values(pd.concat(pd.read_csv(p, index_col=0, dtype=dtypes) for p in parts), computed[columns])
+
+
+def test_the_nested_arrow_type_names_parquet_stores_read_back_as_the_same_type():
+    from daskllm.dataframe.roundtrip import arrow_type
+
+    types = [pa.list_(pa.float32(), 384), pa.list_(pa.string()), pa.map_(pa.int64(), pa.float64()),
+             pa.list_(pa.struct([("id", pa.int64()), ("score", pa.float64()), ("text", pa.string())])),
+             pa.struct([("a name", pa.list_(pa.timestamp("us", tz="UTC"))), ("b", pa.struct([("c", pa.bool_())]))]),
+             pa.large_list(pa.field("x", pa.int8(), nullable=False)), pa.list_(pa.list_(pa.float64(), 2))]
+    for t in types:
+        assert arrow_type(str(t)) == t
+        assert pd.api.types.pandas_dtype(str(pd.ArrowDtype(t))) == pd.ArrowDtype(t)
+    assert pd.api.types.pandas_dtype("string[pyarrow]") == pd.StringDtype("pyarrow")  # pandas' own names unchanged
+    with pytest.raises(TypeError, match="not understood"):
+        pd.api.types.pandas_dtype("list<item: nonsense>[pyarrow]")

@@ -4,10 +4,14 @@ against what the run then really does, on a multi-process cluster with the tiny 
 from __future__ import annotations
 
 import io
+import os
 import random
 import re
+import signal
+import threading
 
 import dask.dataframe as dd
+import distributed
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -136,6 +140,57 @@ def test_the_progress_bar_closes_and_raises_when_the_job_fails(client):
     with pytest.raises(daskllm.dataframe.RowError, match="row 0"):
         daskllm.dataframe.progress(job, file=out, interval=0.1)
     assert "100%" not in out.getvalue()
+
+
+def test_the_progress_bar_survives_a_worker_killed_under_it(client):
+    """SIGKILL a worker while the bar runs: the bar keeps counting (from the scheduler's view of
+    the engines, never asking the dead worker) and the job's output is whole."""
+    qs = [f"Killed bar question {i}: what is {i} plus {i}?" for i in range(24)]
+    gate = distributed.Event("progress-kill-gate")
+    mapped = table(qs, 4).llm.map(TEMPLATE, max_tokens=8, out="a")
+    job = mapped.map_partitions(wait_for, gate.name, meta=mapped._meta)
+    killed = threading.Event()
+
+    def kill_then_open():
+        victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        killed.set()
+        gate.set()  # the job can end only after the kill: the bar was running through it
+
+    killer = threading.Thread(target=kill_then_open, daemon=True)
+    out = io.StringIO()
+    try:
+        killer.start()
+        done = daskllm.dataframe.progress(job, file=out, interval=0.1)
+    finally:
+        gate.set()
+        killer.join(120)
+    assert killed.is_set()
+    result = done.compute()
+    assert len(result) == 24 and result["a"].notna().all()
+    assert "100%" in re.split(r"[\r\n]", out.getvalue().strip())[-1]
+    client.wait_for_workers(2, timeout=120)
+
+
+def wait_for(part: pd.DataFrame, gate: str) -> pd.DataFrame:
+    assert distributed.Event(gate).wait(timeout=120), "the test never opened the gate"
+    return part
+
+
+def test_the_bars_tally_keeps_a_lost_workers_counts_and_counts_a_new_one_from_zero():
+    from daskllm.dataframe.progress import Poll, Tally
+
+    tally = Tally({"a": {"requests_finished": 10, "decode_tokens": 5}})
+    tally.update({"a": {"requests_finished": 14, "decode_tokens": 9}, "b": {"requests_finished": 3}})
+    tally.update(None)  # a question that failed or has not come back
+    tally.update({"b": {"requests_finished": 5}})  # a is gone: its 4 calls were still done
+    assert tally.done() == {"calls": 9, "tokens": 4}
+    blocked = threading.Event()
+    poll = Poll(lambda: blocked.wait(120))  # a scheduler that does not answer
+    assert poll.latest() is None and poll.latest() is None  # never waits for it
+    blocked.set()
+    failing = Poll(lambda: 1 / 0)
+    assert failing.wait(10) is None  # an error is no answer, never raised
 
 
 # --- explain on graphs ---------------------------------------------------------------------------

@@ -29,6 +29,9 @@ from daskllm.dataframe.estimate import OperatorEstimate, TableEstimate, calibrat
 from daskllm.dataframe.progress import progress
 from daskllm.dataframe.ops import BudgetExceeded, Op, RowError
 from daskllm.dataframe.schema import arrow_types
+from daskllm.dataframe import roundtrip
+
+roundtrip.register()  # nested Arrow columns read back from parquet with no reader option
 
 __all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "LLMSeriesAccessor", "Op", "OperatorEstimate", "RowError",
            "TableEstimate", "arrow_types", "calibrate", "estimate", "progress"]

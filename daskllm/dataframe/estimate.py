@@ -17,6 +17,7 @@ its rows and distinct inputs are bounded by the upstream operator's rows ("upper
 from __future__ import annotations
 
 import html
+import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -30,10 +31,13 @@ from dask.dataframe.dask_expr.io.io import FromPandas
 from daskllm.dataframe.calls import call_sampling
 from daskllm.dataframe.dedupe import call_owned, local_distinct
 from daskllm.dataframe.ops import KEY, Op, prompt_ids
+from daskllm.prompts import tokenizer_for
 from daskllm.runtime.view import current_client, take_view
 from daskllm.worker.costs import calibrate as calibrate_worker
 from daskllm.worker.costs import measured
 from daskllm.worker.store import are_stored
+from daskllm.engines import SamplingParams
+from daskllm.worker.host import get_engine
 
 LLM_KINDS = ("generate", "filter", "extract", "rate")
 EXACT_PARTITIONS = 16  # up to this many partitions every prompt is rendered; more are sampled
@@ -51,8 +55,10 @@ class OperatorEstimate:
     distinct: int
     cache_hits: int
     prompt_tokens: int | None
-    output_tokens: int | None  # a bound: max_tokens per executed call
+    output_tokens: int | None  # a bound: max_tokens per executed call (the longest choice's tokens for choices=)
     seconds: float | None
+    # prompt tokens the engines compute: a prefix the sorted prompts share is computed once per engine
+    computed_tokens: int | None = None
 
     @property
     def calls(self) -> int:
@@ -160,17 +166,14 @@ def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 
     previews: dict[str, OperatorEstimate] = {}
     for expr in operator_calls(collection):
         op, _ = operator_of(expr)
-        above = upstream_calls(expr)
-        if above:
-            preview = bounded(op, [previews[e._name] for e in above if e._name in previews], above)
-        else:
+        above = [previews[e._name] for e in upstream_calls(expr) if e._name in previews]
+        if above and any(p.calls for p in above):
+            preview = bounded(op, above)
+        else:  # reads only input columns, or answers all in the result store: rendered (from the store)
             preview = rendered(expr, op, exact, sample_partitions)
         if preview.prompt_tokens is not None and op.kind in LLM_KINDS:
             if op.model in costs:
-                c = costs[op.model]
-                seconds = (preview.prompt_tokens * c["prefill_s_per_token"]
-                           + preview.output_tokens * c["decode_s_per_token"]) / max(1, c["engines"])
-                preview = replace(preview, seconds=seconds)
+                preview = replace(preview, seconds=engine_seconds(preview, costs[op.model]))
             else:
                 missing.add(op.model)
         previews[expr._name] = preview
@@ -181,6 +184,14 @@ def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 
         notes.append("upper bound: an operator reading another's output is bounded by that one's rows; its "
                      "prompt tokens are known only once that one has run")
     return TableEstimate(tuple(previews.values()), costs, tuple(notes))
+
+
+def engine_seconds(preview: OperatorEstimate, cost: dict) -> float:
+    """The operator's engine time: computed prompt tokens and output tokens at the measured
+    per-token costs, spread over the engines serving the model."""
+    computed = preview.computed_tokens if preview.computed_tokens is not None else preview.prompt_tokens
+    return (computed * cost["prefill_s_per_token"] + preview.output_tokens * cost["decode_s_per_token"]) \
+        / max(1, cost["engines"])
 
 
 def replace(preview: OperatorEstimate, **changes) -> OperatorEstimate:
@@ -224,18 +235,42 @@ def counted(op: Op, distinct: pd.DataFrame, rows: int, total: int, method: str) 
     ids = prompt_ids(distinct, op)
     sampling = call_sampling(op)
     stored = are_stored(op.model, ids, sampling)
-    todo = [len(i) for i, s in zip(ids, stored) if not s]
+    todo = [i for i, s in zip(ids, stored) if not s]
     hits = round(share * sum(stored))
     calls = total - hits
-    return OperatorEstimate(op.name, op.model, method, rows, total, hits, round(share * sum(todo)),
-                            calls * sampling.max_tokens, None)
+    return OperatorEstimate(op.name, op.model, method, rows, total, hits, round(share * sum(map(len, todo))),
+                            calls * output_bound(op), None, round(share * computed_tokens(todo)))
 
 
-def bounded(op: Op, above: list[OperatorEstimate], exprs: list) -> OperatorEstimate:
+def output_bound(op: Op) -> int:
+    """Output tokens per call at most: ``max_tokens``, or the longest choice's tokens where the
+    answer is one of ``choices`` (the grammar ends it there)."""
+    sampling = call_sampling(op)
+    structured = sampling.structured
+    if structured is None or structured.kind != "choice":
+        return sampling.max_tokens
+    tok = tokenizer_for(op.model)
+    longest = max(len(tok.encode(choice, False)) for choice in json.loads(structured.spec))
+    return min(sampling.max_tokens, longest)
+
+
+def computed_tokens(ids: list[list[int]], block: int | None = None) -> int:
+    """Prompt tokens an engine computes for ``ids`` sent sorted (as a partition's calls are): each
+    prompt's full blocks shared with the one before it are read from the prefix cache."""
+    block = block or dask.config.get("daskllm.engine.block-size")
+    total, previous = 0, []
+    for prompt in sorted(ids):
+        shared = next((k for k, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
+        total += len(prompt) - min(shared // block * block, len(prompt) - 1)  # the last token is always computed
+        previous = prompt
+    return total
+
+
+def bounded(op: Op, above: list[OperatorEstimate]) -> OperatorEstimate:
     """An operator on another's output: at most as many rows (and distinct inputs) as it."""
     rows = max((p.rows for p in above), default=0)
     names = ", ".join(sorted({p.operator for p in above}))
-    output = rows * call_sampling(op).max_tokens if op.kind in LLM_KINDS else None
+    output = rows * output_bound(op) if op.kind in LLM_KINDS else None
     return OperatorEstimate(op.name, op.model, f"upper bound (reads {names} output)", rows, rows, 0, None,
                             output, None)
 
@@ -256,12 +291,22 @@ def measured_costs(client=None) -> dict:
 
 
 def calibrate(models=None, client=None) -> dict:
-    """Measure the engines' per-token costs on every worker (a few seconds of engine work),
+    """Measure the engines' per-token costs on every worker (seconds of engine work),
     so that later estimates carry a time. Returns what :func:`measured_costs` then reports."""
     client = client if client is not None else current_client()
     if client is None:
         raise RuntimeError("calibrate needs a dask client (a cluster whose engines it measures)")
     held = {model for (kind, model), _ in take_view(client).holders if kind == "llm"}
     for model in sorted(models or held):
-        client.run(calibrate_worker, model)
+        client.run(warm_up, model)  # a first request pays one-off costs a run does not
+        client.run(calibrate_worker, model, **CALIBRATION)
     return measured_costs(client)
+
+
+# Prompts and batches of a table job's size: a few seconds per model, and per-token costs of the
+# batches a job's partitions make, with every worker measuring at once as every worker runs then.
+CALIBRATION = {"prefill_prompts": 16, "prompt_tokens": 64, "decode_seqs": 32, "decode_tokens": 8}
+
+
+def warm_up(model: str, dask_worker=None) -> None:
+    get_engine(model).generate([[0, 11, 12, 13]], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -1,6 +1,6 @@
 """A progress bar for a table job: the LLM calls done out of those the cost preview expects
-(with an ETA), and the rows, calls and tokens done so far, in a terminal or a notebook
-(``tqdm.auto``).
+(with an ETA from the measured rate), and the calls and tokens done so far, in a terminal or a
+notebook (``tqdm.auto``).
 
     out = daskllm.dataframe.progress(ddf.llm.map("Summarize {doc}:", out="summary"))
     out.to_parquet("summaries/")  # the persisted result: nothing runs twice
@@ -10,14 +10,21 @@ so the partitions finish together at the end and a bar of partitions would jump 
 100%. Its total is :func:`~daskllm.dataframe.estimate.estimate`'s calls to execute (distinct
 inputs not in the result store; an upper bound for an operator that reads another's answers),
 computed before the job starts; a job without LLM calls (embeddings only) counts partitions.
-Calls, rows and tokens come from the usage records the workers keep (one ``client.run`` per
-tick, at most ``1 / interval`` ticks a second). The bar ends when the job does (at its real
-count, where the total was a bound), or raises its error.
+
+It moves as the engines finish requests: their counters travel to the scheduler with every
+worker heartbeat (``EngineHost.metrics``), and the bar asks the scheduler for them, never a
+worker, so a worker that dies or restarts costs the bar nothing (its last report is kept). The
+question runs in a thread of its own, one at a time: a scheduler slow to answer delays the
+numbers, never the job, and an error is skipped. At the end the bar takes the exact counts
+from the workers' usage records (rows, calls, tokens) and ends at the real count.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from dask.base import is_dask_collection
 from distributed import default_client, futures_of
@@ -28,16 +35,22 @@ from daskllm.dataframe.estimate import estimate, operator_calls, operator_of
 from daskllm.worker.host import PLUGIN_NAME
 from daskllm.worker.usage import DATAFRAME
 
+COUNTERS = ("requests_finished", "prefill_tokens_computed", "decode_tokens")
+FINAL_WAIT = 10.0  # seconds the end of the bar waits for the workers' exact counts
+
 
 def progress(collection, *, interval: float = 0.5, file=None, client=None):
     """Run ``collection`` (a dask dataframe or series, persisted here if it is not yet) with a
-    progress bar; return it persisted. Raises the job's error, with the bar closed, if it fails."""
+    progress bar; return it persisted. Raises the job's error, with the bar closed, if it fails;
+    the bar itself never raises into the job."""
     if not is_dask_collection(collection):
         raise TypeError(f"progress: expected a dask collection, got {type(collection).__name__}")
     client = client if client is not None else default_client()
     calls = operator_calls(collection)
     first = operator_of(calls[0])[0].name if calls else None
     expected = expected_calls(collection) if calls else 0
+    engines = Poll(lambda: client.run_on_scheduler(engine_counters))
+    tally = Tally(engines.wait(FINAL_WAIT))  # the counters before the job: the bar counts from them
     started = time.time()
     persisted = collection if futures_of(collection) else client.persist(collection)
     futures = futures_of(persisted)
@@ -46,18 +59,22 @@ def progress(collection, *, interval: float = 0.5, file=None, client=None):
         while True:
             states = [f.status for f in futures]
             failed = next((f for f, s in zip(futures, states) if s in ("error", "cancelled")), None)
-            finished = states.count("finished")
-            done = counts(client, started, first)
-            bar.set_postfix(done, refresh=False)
             if failed is not None:
                 failed.result()  # raises the job's error (or CancelledError)
-            count = min(done["calls"], total) if unit == "call" else finished
+            finished = states.count("finished")
+            tally.update(engines.latest())
             if finished == len(futures):
+                done = final_counts(client, started, first) or tally.done()
+                bar.set_postfix(done, refresh=False)
                 if unit == "call":
                     bar.total = done["calls"]  # the real count, where the preview gave a bound
                 bar.update(bar.total - bar.n)
                 return persisted
-            bar.update(count - bar.n)
+            live = tally.done()
+            bar.set_postfix(live, refresh=False)
+            count = min(live["calls"], max(total - 1, 0)) if unit == "call" else finished
+            bar.update(max(0, count - bar.n))
+            bar.refresh()
             time.sleep(interval)  # a poll of local future states, not a synchronization
 
 
@@ -70,10 +87,82 @@ def expected_calls(collection) -> int:
     return sum(o.distinct - o.cache_hits for o in preview.operators if o.output_tokens is not None)
 
 
-def counts(client, started: float, operator: str | None) -> dict:
-    """Rows the job's first operator has looked up, calls executed and tokens, on all workers."""
+class Poll:
+    """``fetch()`` asked in a daemon thread, one question at a time; :meth:`latest` never waits."""
+
+    def __init__(self, fetch: Callable[[], object]):
+        self._fetch = fetch
+        self._thread: threading.Thread | None = None
+        self._answer = None
+
+    def _ask(self) -> None:
+        def run():
+            try:
+                self._answer = self._fetch()
+            except Exception:  # noqa: BLE001 - a lost worker, a closed comm, a timeout: no numbers this time
+                self._answer = None
+        self._answer = None
+        self._thread = threading.Thread(target=run, name="daskllm-progress", daemon=True)
+        self._thread.start()
+
+    def latest(self):
+        """The answer that has come since the last call (None if none), asking again if none is pending."""
+        if self._thread is not None and self._thread.is_alive():
+            return None
+        answer = self._answer if self._thread is not None else None
+        self._ask()
+        return answer
+
+    def wait(self, timeout: float):
+        """Ask and wait at most ``timeout`` seconds for the answer (None if none came)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._ask()
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self._answer
+
+
+@dataclass(slots=True)
+class Tally:
+    """The engines' work since the job started, from snapshots ``{worker id: {counter: value}}``.
+    A worker that leaves keeps its last counts (that work was done); one that joins later counts
+    from zero; the first snapshot is the baseline when none was taken before the job."""
+
+    baseline: dict | None
+    last: dict = field(default_factory=dict)
+
+    def update(self, snapshot: dict | None) -> None:
+        if snapshot is None:
+            return
+        if self.baseline is None:
+            self.baseline = snapshot
+        self.last.update(snapshot)
+
+    def done(self) -> dict:
+        base = self.baseline or {}
+        since = {c: sum(max(0, v.get(c, 0) - base.get(w, {}).get(c, 0)) for w, v in self.last.items())
+                 for c in COUNTERS}
+        return {"calls": since["requests_finished"],
+                "tokens": since["prefill_tokens_computed"] + since["decode_tokens"]}
+
+
+def engine_counters(dask_scheduler=None) -> dict:
+    """On the scheduler: per worker (by its process id, new after a restart), its LLM engines'
+    counters summed, as its last heartbeat reported them."""
+    out = {}
+    for ws in dask_scheduler.workers.values():
+        llm = (((ws.metrics or {}).get("daskllm") or {}).get("engines") or {}).get("llm") or {}
+        out[ws.server_id] = {c: sum(int(e.get(c, 0)) for e in llm.values()) for c in COUNTERS}
+    return out
+
+
+def final_counts(client, started: float, operator: str | None) -> dict | None:
+    """Rows the job's first operator looked up, calls executed and tokens, from the usage records
+    of the workers that answer within :data:`FINAL_WAIT` seconds; None if none does."""
+    answers = Poll(lambda: client.run(worker_counts, started, operator, on_error="ignore")).wait(FINAL_WAIT)
+    if not answers:
+        return None
     total = {"rows": 0, "calls": 0, "tokens": 0}
-    for worker in client.run(worker_counts, started, operator).values():
+    for worker in answers.values():
         for k, v in worker.items():
             total[k] += v
     return total
