@@ -352,6 +352,11 @@ def test_usage_counts_the_work_items_asked_for(client):
     assert u.engines["llm:tiny"]["count"] == 2 and u.engines["llm:tiny"]["busy_seconds"] > 0
     assert 0 < u.engine_busy()["llm:tiny"] <= 1 and u.planning_seconds > 0
     assert "engines busy: llm:tiny 2 x" in str(u)
+    # the wall time split: planning + the busiest engine + the rest, which add up to it
+    split = u.time_split()
+    assert 0 < split["engines"] <= u.engines["llm:tiny"]["busy_seconds"] and split["planning"] == u.planning_seconds
+    assert split["planning"] + split["engines"] + split["other"] == pytest.approx(split["wall"])
+    assert f"{split['wall']:.2f} s wall = " in str(u)
 
 
 def _set_inline_bytes(n):

@@ -54,7 +54,18 @@ class Usage:
     wall_seconds: float = 0.0
     planning_seconds: float = 0.0
     engines: dict[str, dict] = field(default_factory=dict)
+    # The busiest single engine's busy seconds: the least time the engines needed, had nothing
+    # else cost any (work spread over several engines overlaps, so it is not their sum).
+    engine_seconds: float = 0.0
     task_keys: set = field(default_factory=set, repr=False)
+
+    def time_split(self) -> dict[str, float]:
+        """The block's wall time as planning on this client, engine time (the busiest engine
+        computing) and the rest: submission, scheduling, task hops, results coming back and
+        engines waiting for work. The rest is what orchestration cost beyond the model."""
+        other = max(0.0, self.wall_seconds - self.planning_seconds - self.engine_seconds)
+        return {"wall": self.wall_seconds, "planning": self.planning_seconds, "engines": self.engine_seconds,
+                "other": other}
 
     def engine_busy(self) -> dict[str, float]:
         """Per engine, the fraction of the block's wall time its engines were computing."""
@@ -71,7 +82,8 @@ class Usage:
                 "prefill_tokens_cached": self.prefill_tokens_cached, "decode_tokens": self.decode_tokens,
                 "tasks": dict(self.tasks), "operators": dict(self.operators), "models": dict(self.models),
                 "distinct_prompt_tokens": self.distinct_prompt_tokens, "wall_seconds": self.wall_seconds,
-                "planning_seconds": self.planning_seconds, "engines": dict(self.engines)}
+                "planning_seconds": self.planning_seconds, "engines": dict(self.engines),
+                "engine_seconds": self.engine_seconds, "time_split": self.time_split()}
 
     def __str__(self) -> str:
         ops = sorted(set(self.requested) | set(self.executed) | set(self.from_cache))
@@ -85,7 +97,9 @@ class Usage:
                          f"{stats['executed']} executed, {stats['from_cache']} from cache, {stats['failed']} failed")
         busy = ", ".join(f"{name} {e['count']} x {self.engine_busy()[name]:.0%}" for name, e in sorted(self.engines.items())
                          if e["busy_seconds"])
-        lines.append(f"time: {self.wall_seconds:.2f} s wall, {self.planning_seconds:.2f} s planning here; "
+        split = self.time_split()
+        lines.append(f"time: {split['wall']:.2f} s wall = {split['planning']:.2f} planning here + "
+                     f"{split['engines']:.2f} engine (busiest) + {split['other']:.2f} other; "
                      f"engines busy: {busy or 'none'}")
         return "\n".join(lines)
 
@@ -159,7 +173,9 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
         for (where, name), seconds in _engine_busy().items():
             e = self.result.engines.setdefault(name, {"count": 0, "busy_seconds": 0.0})
             e["count"] += 1
-            e["busy_seconds"] += seconds - before.get((where, name), 0.0)
+            busy = seconds - before.get((where, name), 0.0)
+            e["busy_seconds"] += busy
+            self.result.engine_seconds = max(self.result.engine_seconds, busy)
 
 
 def _engine_busy() -> dict[tuple[str, str], float]:
