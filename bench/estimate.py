@@ -14,8 +14,9 @@ and run from a cold start. Jobs:
   comparison questions (``../shared/data/hotpotqa_comparison.json``) of which 20 repeated and 10
   null, then ``map(choices=["yes", "no", "unsure"])`` and a ``filter`` on the question.
 
-Reported: the preview's counts next to what ``daskllm.usage()`` counted (distinct and prompt
-tokens must be equal; the script exits 1 if not), the estimated seconds, the run's wall
+Reported: the preview's counts next to what ``daskllm.usage()`` counted (each exact operator's
+distinct inputs and the prompt tokens must be equal; the script exits 1 if not), the estimated
+seconds (per-token costs and the per-operator overhead ``calibrate()`` measured), the run's wall
 seconds and the engines' busy seconds, and the ratio of the run's wall time to the estimate
 (1 is a perfect estimate; above 1 the preview was too optimistic, below 1 too pessimistic).
 """
@@ -102,8 +103,9 @@ def main(argv=None) -> int:
     known = sum(o.prompt_tokens or 0 for o in preview.operators)
     output = sum(o.output_tokens or 0 for o in preview.operators)
     estimate = f"{preview.seconds:.2f}" if preview.seconds else "?"
-    print(f"| | preview | run |\n|---|---|---|\n| distinct prompts ({first.operator}) | {first.distinct} | "
-          f"{actual['distinct']} |\n"
+    distinct = "".join(f"| distinct prompts ({o.operator}, {o.method}) | {o.distinct} | "
+                       f"{usage.operators[o.operator]['distinct']} |\n" for o in preview.operators)
+    print(f"| | preview | run |\n|---|---|---|\n{distinct}"
           f"| prompt tokens | {known} | {usage.prefill_tokens} |\n"
           f"| output tokens | {output} | {usage.decode_tokens} |\n"
           f"| seconds | {estimate} (estimate) | {wall:.2f} wall, {busy:.2f} engine busy per worker |\n\n"
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
           f"engine busy / estimate = {result['busy_over_estimate'] or float('nan'):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    exact = first.distinct == actual["distinct"] and (args.job != "map" or first.prompt_tokens == usage.prefill_tokens)
+    exact = all(o.distinct == usage.operators[o.operator]["distinct"] for o in preview.operators
+                if o.method == "exact") and (args.job != "map" or known == usage.prefill_tokens)
     return 0 if exact else 1
 
 

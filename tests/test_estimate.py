@@ -88,6 +88,22 @@ def test_a_chained_operator_is_bounded_by_the_rows_before_it(client):
     assert u.operators["filter"]["distinct"] <= second.distinct
 
 
+def test_an_operator_reading_only_input_columns_after_a_map_is_exact(client):
+    # The filter reads q, not the map's answers: its prompts are rendered from q, and the map never runs.
+    job = table(QUESTIONS * 4, 3).llm.map(TEMPLATE, max_tokens=4, out="a").llm.filter("Files? {q}")
+    first, second = job.llm.estimate().operators
+    assert (second.operator, second.method, second.rows, second.distinct, second.calls) == ("filter", "exact", 16, 4, 4)
+    with daskllm.usage() as u:
+        job.compute()
+    assert u.operators["filter"]["distinct"] == second.distinct
+    assert u.prefill_tokens == first.prompt_tokens + second.prompt_tokens
+    again = job.llm.estimate().operators[1]  # a cached rerun: the filter's hits are shown
+    assert (again.method, again.cache_hits, again.calls) == ("exact", 4, 0)
+    # After a filter the rows themselves depend on the model: still a bound.
+    after_filter = table(QUESTIONS, 2).llm.filter("Sorting? {q}").llm.filter("Short? {q}").llm.estimate().operators
+    assert after_filter[1].method.startswith("upper bound")
+
+
 def test_a_column_that_is_never_read_is_not_counted(client):
     job = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4, out="a")
     assert job.llm.estimate().operators and not job[["n"]].llm.estimate().operators
@@ -108,6 +124,7 @@ def test_explain_on_a_dataframe_prints_the_preview(client, capsys):
 def test_after_calibration_the_preview_has_a_time(client):
     costs = daskllm.dataframe.calibrate()
     assert costs["tiny"]["prefill_s_per_token"] > 0 and costs["tiny"]["engines"] == 2
+    assert costs["tiny"]["operator_overhead_s"] >= 0
     preview = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4).llm.estimate()
     assert preview.seconds is not None and preview.seconds > 0 and "estimated time:" in str(preview)
 

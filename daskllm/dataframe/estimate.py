@@ -10,27 +10,34 @@ an argument. Its prompts are
 rendered by dask (cheap string work on the cluster, no engine): all of them for a table held in
 memory or of few partitions ("exact"), a spread of partitions otherwise ("sampled": distinct
 inputs by the bias-corrected Chao1 estimator, tokens and store hits scaled from the sample).
-An operator that reads another operator's output cannot be rendered without running that one:
-its rows and distinct inputs are bounded by the upstream operator's rows ("upper bound").
+An operator after another that reads only columns no LLM operator makes (a filter on the input
+question after a map) is rendered from those columns alone ("exact"); one that reads another
+operator's output, or whose rows depend on one (after a filter), cannot be rendered without
+running that one: its rows and distinct inputs are bounded by the upstream operator's rows
+("upper bound"). Its time: the engines' measured per-token costs, spread over the engines, plus
+a measured per-operator overhead (see :func:`calibrate`).
 """
 
 from __future__ import annotations
 
 import html
 import json
+import time
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import dask
 import pandas as pd
 from dask.dataframe.dask_expr._collection import new_collection
-from dask.dataframe.dask_expr._expr import DropnaFrame, MapPartitions
+from dask.dataframe.dask_expr._expr import Assign, AssignAlign, DropnaFrame, MapPartitions, Projection
 from dask.dataframe.dask_expr._reductions import DropDuplicates
 from dask.dataframe.dask_expr.io.io import FromPandas
 
 from daskllm.dataframe.calls import call_sampling
 from daskllm.dataframe.dedupe import call_owned, local_distinct
 from daskllm.dataframe.ops import KEY, Op, prompt_ids
+from daskllm.dataframe.rows import RENDERED, render
 from daskllm.prompts import tokenizer_for
 from daskllm.runtime.view import current_client, take_view
 from daskllm.worker.costs import calibrate as calibrate_worker
@@ -156,21 +163,28 @@ def per_partition(expr) -> bool:
         and frame.npartitions > 1
 
 
-def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 4) -> TableEstimate:
+def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 4,
+             costs: dict | None = None) -> TableEstimate:
     """The cost preview of ``collection`` (a dask dataframe or series built with ``.llm``
     operators). ``exact``: render every prompt (True) or a sample of ``sample_partitions``
-    partitions (False); by default, exact for tables in memory or of at most 16 partitions."""
-    costs = measured_costs()
+    partitions (False); by default, exact for tables in memory or of at most 16 partitions.
+    ``costs``: per model, as :func:`measured_costs` returns (by default, asked of the cluster)."""
+    costs = measured_costs() if costs is None else costs
     notes = []
     missing = set()
     previews: dict[str, OperatorEstimate] = {}
     for expr in operator_calls(collection):
-        op, _ = operator_of(expr)
+        op, slots = operator_of(expr)
         above = [previews[e._name] for e in upstream_calls(expr) if e._name in previews]
-        if above and any(p.calls for p in above):
+        inputs = input_rows(expr, op, slots) if above else None
+        if inputs is not None:  # reads only columns no LLM operator makes: rendered from them
+            distinct = inputs.map_partitions(local_distinct, meta=inputs._meta)
+            preview = rendered(inputs, distinct, per_partition(expr), op, exact, sample_partitions)
+        elif above and any(p.calls for p in above):
             preview = bounded(op, above)
-        else:  # reads only input columns, or answers all in the result store: rendered (from the store)
-            preview = rendered(expr, op, exact, sample_partitions)
+        else:  # the first operator, or one after operators all answered by the store (rendered from it)
+            keyed = new_collection(keyed_rows(expr))
+            preview = rendered(keyed, new_collection(expr.frame), per_partition(expr), op, exact, sample_partitions)
         if preview.prompt_tokens is not None and op.kind in LLM_KINDS:
             if op.model in costs:
                 preview = replace(preview, seconds=engine_seconds(preview, costs[op.model]))
@@ -187,26 +201,51 @@ def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 
 
 
 def engine_seconds(preview: OperatorEstimate, cost: dict) -> float:
-    """The operator's engine time: computed prompt tokens and output tokens at the measured
-    per-token costs, spread over the engines serving the model."""
+    """The operator's time: computed prompt tokens and output tokens at the measured per-token
+    costs, spread over the engines serving the model, plus what calibration measured an
+    operator's run to add to that (planning, scheduling, the dedupe barrier, Python work).
+    Nothing to call (every input in the result store): the lookups only, counted as 0."""
+    if not preview.calls:
+        return 0.0
     computed = preview.computed_tokens if preview.computed_tokens is not None else preview.prompt_tokens
-    return (computed * cost["prefill_s_per_token"] + preview.output_tokens * cost["decode_s_per_token"]) \
-        / max(1, cost["engines"])
+    work = computed * cost["prefill_s_per_token"] + preview.output_tokens * cost["decode_s_per_token"]
+    return cost.get("operator_overhead_s", 0.0) + work / max(1, cost["engines"])
 
 
 def replace(preview: OperatorEstimate, **changes) -> OperatorEstimate:
     return OperatorEstimate(**{**asdict(preview), **changes})
 
 
-def rendered(expr, op: Op, exact: bool | None, sample_partitions: int) -> OperatorEstimate:
-    """Render the operator's prompts (all, or a sample of partitions) and count."""
-    keyed = new_collection(keyed_rows(expr))  # the rows, with their prompt as KEY
+def input_rows(expr, op: Op, slots: tuple):
+    """The rows of an operator that reads only columns no LLM operator makes (input columns, even
+    after a map), with their prompt as ``KEY``, rendered from those columns alone: None where a
+    slot is another operator's output or the rows depend on one (after a filter or topk)."""
+    if not slots or op.template is None:
+        return None
+    # Below the assigns that make other columns (a map's output, the prompt): dask's projection
+    # pushdown keeps some of them, so they are peeled here. What is left holds an LLM call only
+    # where these columns, or which rows there are (after a filter or topk), need one.
+    e, wanted = keyed_rows(expr), set(slots)
+    while (isinstance(e, Projection) or (isinstance(e, Assign) and not wanted & set(e.keys))
+           or (isinstance(e, AssignAlign) and e.column not in wanted)):
+        e = e.frame
+    columns = new_collection(e)[list(slots)]
+    if any(is_call(c) for c in columns.expr.simplify().walk()):
+        return None
+    keys = columns.map_partitions(render, op.template, slots, "skip", meta=RENDERED)[KEY]
+    return columns.assign(**{KEY: keys})
+
+
+def rendered(keyed, distinct_rows, per_part: bool, op: Op, exact: bool | None,
+             sample_partitions: int) -> OperatorEstimate:
+    """Render the operator's prompts (all, or a sample of partitions) and count. ``keyed``: its
+    rows with their prompt as ``KEY``; ``distinct_rows``: each partition's distinct ones."""
     if exact is None:
         exact = keyed.npartitions <= EXACT_PARTITIONS or all(
             isinstance(e, FromPandas) for e in keyed.expr.leaves())
     if exact or keyed.npartitions <= sample_partitions:
-        distinct, rows = dask.compute(new_collection(expr.frame), keyed.shape[0])
-        if not per_partition(expr):  # the table's distinct inputs, each called once
+        distinct, rows = dask.compute(distinct_rows, keyed.shape[0])
+        if not per_part:  # the table's distinct inputs, each called once
             distinct = distinct.drop_duplicates(subset=[KEY])
         return counted(op, distinct, rows, len(distinct), "exact")
     step = keyed.npartitions / sample_partitions
@@ -276,7 +315,8 @@ def bounded(op: Op, above: list[OperatorEstimate]) -> OperatorEstimate:
 
 
 def measured_costs(client=None) -> dict:
-    """Per model: the best per-token seconds any worker measured, and how many engines serve it."""
+    """Per model: the best per-token seconds any worker measured, how many engines serve it, and
+    the seconds an operator's run adds to its engines' work (``operator_overhead_s``)."""
     client = client if client is not None else current_client()
     if client is None:
         return {}
@@ -287,26 +327,69 @@ def measured_costs(client=None) -> dict:
             b = best.setdefault(model, dict(cost))
             for k, v in cost.items():
                 b[k] = min(b[k], v)
-    return {model: {**cost, "engines": engines.get(model, 1)} for model, cost in best.items()}
+    return {model: {**cost, "engines": engines.get(model, 1),
+                    "operator_overhead_s": client.get_metadata(overhead_key(model), 0.0)}
+            for model, cost in best.items()}
+
+
+def overhead_key(model: str) -> str:
+    return f"daskllm-operator-overhead-s-{model}"  # kept on the scheduler: one per cluster
 
 
 def calibrate(models=None, client=None) -> dict:
-    """Measure the engines' per-token costs on every worker (seconds of engine work),
-    so that later estimates carry a time. Returns what :func:`measured_costs` then reports."""
+    """Measure, per model the cluster serves: the engines' per-token costs on every worker, then
+    what a small table job takes beyond them (planning, scheduling, the dedupe barrier, the
+    calls' Python work), so that later estimates carry a time. Returns what
+    :func:`measured_costs` then reports."""
     client = client if client is not None else current_client()
     if client is None:
         raise RuntimeError("calibrate needs a dask client (a cluster whose engines it measures)")
     held = {model for (kind, model), _ in take_view(client).holders if kind == "llm"}
+    workers = list(client.scheduler_info(n_workers=-1)["workers"])
     for model in sorted(models or held):
-        client.run(warm_up, model)  # a first request pays one-off costs a run does not
-        client.run(calibrate_worker, model, **CALIBRATION)
+        # A task on every worker at once (as every worker runs in a job), in its thread pool: never
+        # on its event loop, whose heartbeats go on during the measurement.
+        client.gather([client.submit(measure, model, workers=[w], allow_other_workers=False, pure=False)
+                       for w in workers])
+        client.set_metadata(overhead_key(model), job_overhead(model, client))
     return measured_costs(client)
 
 
-# Prompts and batches of a table job's size: a few seconds per model, and per-token costs of the
-# batches a job's partitions make, with every worker measuring at once as every worker runs then.
-CALIBRATION = {"prefill_prompts": 16, "prompt_tokens": 64, "decode_seqs": 32, "decode_tokens": 8}
+# Prompts and batches of a table job's size, a few seconds per model: per-token costs of the
+# batches a job's partitions make.
+CALIBRATION = {"prefill_prompts": 8, "prompt_tokens": 64, "decode_seqs": 32, "decode_tokens": 6}
+
+
+def measure(model: str) -> dict:
+    warm_up(model)  # a first request pays one-off costs a run does not
+    return calibrate_worker(model, **CALIBRATION)
 
 
 def warm_up(model: str, dask_worker=None) -> None:
     get_engine(model).generate([[0, 11, 12, 13]], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
+def job_overhead(model: str, client, runs: int = 1) -> float:
+    """Seconds a table operator takes beyond its engines' modelled work: the wall time of a small
+    ``map`` (two partitions per engine, 4 fresh prompts each, so nothing is cached), minus its
+    computed prompt and decoded tokens at the measured per-token costs (the lowest of ``runs``; one
+    keeps calibration short)."""
+    import dask.dataframe as dd  # here: the accessor module imports this one
+    from daskllm.runtime.metering import usage
+
+    cost = measured_costs(client)[model]
+    parts = 2 * cost["engines"]
+    spent = []
+    for _ in range(runs):
+        tag = uuid.uuid4().hex[:8]  # fresh prompts: no result store or cache hit
+        rows = pd.DataFrame({"q": [f"Calibration {tag}: say the number {i}." for i in range(4 * parts)]})
+        # chat=False: no tokenizer needed on the client, whose first load is no part of a run
+        job = dd.from_pandas(rows, npartitions=parts).llm.map("{q}", model=model, max_tokens=4, ignore_eos=True,
+                                                               chat=False, out="a")
+        with usage() as used:
+            start = time.perf_counter()
+            job.compute()
+            wall = time.perf_counter() - start
+        work = used.prefill_tokens_computed * cost["prefill_s_per_token"] + used.decode_tokens * cost["decode_s_per_token"]
+        spent.append(wall - work / max(1, cost["engines"]))
+    return max(0.0, min(spent))

@@ -24,7 +24,7 @@ def calibrate(model: str, prefill_prompts: int = 16, prompt_tokens: int = 256, d
     """Seconds per prefill token (a big batch of fresh prompts) and per decode token (a full
     batch of short prompts), on this worker's engine: the best it does."""
     engine = get_engine(model)
-    rng = random.Random(os.getpid())
+    rng = random.Random()  # seeded afresh: a second calibration must not find the first one's prompts cached
 
     def fresh(n: int) -> list[int]:  # random ids: nothing in the prefix cache matches
         return [0] + [rng.randrange(10, 16000) for _ in range(n - 1)]
