@@ -39,6 +39,7 @@ from daskllm.dataframe.dedupe import call_owned, local_distinct
 from daskllm.dataframe.ops import KEY, Op, prompt_ids
 from daskllm.dataframe.rows import RENDERED, render
 from daskllm.prompts import tokenizer_for
+from daskllm.runtime.metering import usage
 from daskllm.runtime.view import current_client, take_view
 from daskllm.worker.costs import calibrate as calibrate_worker
 from daskllm.worker.costs import measured
@@ -375,7 +376,6 @@ def job_overhead(model: str, client, runs: int = 1) -> float:
     computed prompt and decoded tokens at the measured per-token costs (the lowest of ``runs``; one
     keeps calibration short)."""
     import dask.dataframe as dd  # here: the accessor module imports this one
-    from daskllm.runtime.metering import usage
 
     cost = measured_costs(client)[model]
     parts = 2 * cost["engines"]

@@ -40,17 +40,27 @@ class AccessLog:
         entry: dict = {"status": 500}
         scope[_KEY] = entry
 
+        logged = False
+
+        def log() -> None:
+            nonlocal logged
+            if not logged:
+                logged = True
+                _log(scope, entry, request_id, time.perf_counter() - start)
+
         async def sending(message):
             if message["type"] == "http.response.start":
                 entry["status"] = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (b"x-request-id", request_id.encode("latin-1"))]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                log()  # before the last byte goes out: a client that has its answer finds it logged
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
-            _log(scope, entry, request_id, time.perf_counter() - start)
+            log()  # no answer sent (an error, a client gone)
 
 
 def _log(scope, entry: dict, request_id: str, seconds: float) -> None:
