@@ -27,9 +27,6 @@ from daskllm.serve.openai_api import APIError, Call, PipelineRequest, Result
 from daskllm.serve.relay import StreamRelay
 from daskllm.serve.tools import ToolError, render
 
-MODELS_TTL = 5.0  # seconds a view of what the workers hold is reused
-
-
 class Service:
     """Serving on ``client``'s cluster. ``consolidate``/``window``/``max_batch``: see
     :class:`Consolidator`; ``pipelines``: serve the reference pipelines (a source checkout's
@@ -47,7 +44,6 @@ class Service:
         self._pipelines_index = pipelines_index
         self._inputs = None  # the pipelines' index and default contexts, made on first use
         self._inputs_lock = threading.Lock()
-        self._models: tuple[float, dict] = (0.0, {})
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Begin serving on ``loop`` (the HTTP server's event loop)."""
@@ -60,18 +56,16 @@ class Service:
 
     # --- models -------------------------------------------------------------------------------
 
-    def held(self) -> dict[str, list[str]]:
-        """engine kind -> model names the cluster's workers hold (refreshed every few seconds)."""
-        at, held = self._models
-        if time.monotonic() - at > MODELS_TTL or not held:
-            held = {kind: sorted(models) for kind, models in take_view(self.client).held().items()}
-            self._models = (time.monotonic(), held)
-        return held
+    def held(self, *, fresh: bool = False) -> dict[str, list[str]]:
+        """engine kind -> model names the cluster's workers hold (the planner's cluster view,
+        reused for a few seconds: :func:`~daskllm.runtime.view.take_view`)."""
+        return {kind: sorted(models) for kind, models in take_view(self.client, fresh=fresh).held().items()}
 
     def check_model(self, model: str, kind: str = "llm") -> None:
         names = self.held().get(kind, [])
+        if model not in names:  # a worker may just have joined: look again before answering 404
+            names = self.held(fresh=True).get(kind, [])
         if model not in names:
-            self._models = (0.0, {})  # a worker may just have joined: look again next time
             raise APIError(f"The model `{model}` does not exist: this server's workers hold {names or 'none'}"
                            f" ({kind})", status=404, param="model", code="model_not_found")
 
