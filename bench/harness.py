@@ -10,8 +10,8 @@ Systems, all on the same cluster and the same resident engines, so only orchestr
 - ``opwise``: one operator at a time over the whole batch, a barrier after each (black-box UDFs);
 - ``dask``: the pipeline's graph with plain Dask: a task per call, no rewrites, placement off;
 - ``daskllm``: everything on;
-- ablations of ``daskllm`` with one feature off: ``-cse``, ``-prefix`` (shared-prefix
-  prefill), ``-stage`` (stage split), ``-pipeline`` (decode pipelining), ``-cache`` (result
+- ablations of ``daskllm`` with one feature off: ``-cse``, ``-parts`` (small plans as
+  parts), ``-prefix`` (shared-prefix prefill), ``-stage`` (stage split), ``-pipeline`` (decode pipelining), ``-cache`` (result
   cache), ``-placement`` (plain Dask placement instead of cache-aware) and ``-release`` (a task
   waiting on its engine holds its worker thread, as a plain Dask task does).
 
@@ -47,7 +47,7 @@ from machine import log, machine_info  # noqa: E402
 from daskllm.worker.costs import calibrate  # noqa: E402
 
 BASELINES = ("sequential", "opwise", "dask")
-ABLATIONS = {"-cse": "cse", "-prefix": "prefix", "-stage": "stage", "-pipeline": "pipeline", "-cache": "cache",
+ABLATIONS = {"-cse": "cse", "-prefix": "prefix", "-parts": "parts", "-stage": "stage", "-pipeline": "pipeline", "-cache": "cache",
              "-placement": None, "-release": None}
 SYSTEMS = (*BASELINES, "daskllm", *ABLATIONS)
 

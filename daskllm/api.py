@@ -352,10 +352,18 @@ def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None,
     if "pipeline" in report:
         r = report["pipeline"]
         lines.append(f"decode pipelining: {r['streamed']} pmaps streamed, {r['pmaps_fused']} pmaps fused")
+    if "parts" in report:
+        r = report["parts"]
+        lines.append(f"parts: the plan's {r['calls']} calls run in {_count(r['tasks'], 'worker task')} "
+                     f"({_count(r['workers'], 'worker')} with the model), no task between them")
     if "prune" in report:
         lines.append(f"pruned: {report['prune']['nodes_removed']} nodes, {report['prune']['edges_removed']} edges")
     print("\n".join(lines), file=file)
     return report
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 __all__ = ["batch", "chat", "collect", "compute", "delimited", "embed", "explain", "gather", "generate", "pmap",

@@ -242,7 +242,7 @@ def test_environment_variables_set_daskllm_config_as_documented():
     got = _config_in_child({"DASK_DASKLLM__MODEL": "tiny", "DASK_DASKLLM__ENGINE__KV_CACHE_TOKENS": "8192",
                             "DASK_DASKLLM__REWRITE__GRANULARITY": "query"},
                            ["model", "engine.kv-cache-tokens", "rewrite.granularity", "rewrite.passes"])
-    assert got == ["tiny", 8192, "query", ["cse", "cache", "prune", "prefix", "pipeline", "stage"]]
+    assert got == ["tiny", 8192, "query", ["cse", "cache", "prune", "parts", "prefix", "pipeline", "stage"]]
     # Without them: the defaults (the model users get is smollm2).
     assert _config_in_child({}, ["model", "engine.kv-cache-tokens"]) == ["smollm2", 32768]
 

@@ -63,7 +63,8 @@ def test_visualize_shows_the_lowered_task_types(tmp_path):
     if shutil.which("dot") is None:
         pytest.skip("dask.visualize needs Graphviz's `dot` (Debian package graphviz; .ci/run installs it)")
     node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=QUESTIONS[:3]), max_tokens=4)
-    dask.visualize(node, filename=str(tmp_path / "graph.svg"), optimize_graph=True)
+    with dask.config.set({"daskllm.rewrite.parts-calls-per-worker": 0}):  # staged tasks, even this small
+        dask.visualize(node, filename=str(tmp_path / "graph.svg"), optimize_graph=True)
     svg = (tmp_path / "graph.svg").read_text()
     assert ">decode" in svg and ">prefill" in svg  # the lowered task types, not one opaque node
 
@@ -113,7 +114,8 @@ def fresh_client(llm_cluster, tiny_model_dir):
 
 
 def test_prefill_work_is_near_the_lower_bound_with_passes_on(fresh_client):
-    with fresh_client.as_current():
+    # Staged tasks (not parts, as 24 calls would be): the prefix pass's prefill tasks.
+    with fresh_client.as_current(), dask.config.set({"daskllm.rewrite.parts-calls-per-worker": 0}):
         _prefill_ratio_check(fresh_client)
 
 
@@ -340,11 +342,30 @@ def test_a_bad_item_fails_alone_named_by_its_index_in_the_batch(client):
 
 def test_explain_prints_the_plan(capsys):
     node = chain_and_fan(QUESTIONS[:4] + QUESTIONS[:1])[2]
-    report = daskllm.explain(node)
+    with dask.config.set({"daskllm.rewrite.parts-calls-per-worker": 0}):  # staged tasks, even this small
+        report = daskllm.explain(node)
     out = capsys.readouterr().out
-    assert "passes applied: cse, cache, prune, prefix, pipeline, stage" in out
+    assert "passes applied: cse, cache, prune, parts, prefix, pipeline, stage" in out
     assert "decode" in out and "calls merged" in out and "prefill tokens read from the prefix cache" in out
-    assert report["cse"]["merged"] == 2
+    assert report["cse"]["merged"] == 2 and "parts" not in report
+
+
+def test_a_small_plan_runs_as_parts_one_per_worker_with_the_same_answers(client):
+    """A handful of chained calls: the stage pass's per-worker shards become parts, one worker
+    task each, placed on different workers; no prefill task, no task between the calls."""
+    first = daskllm.generate(daskllm.prompt("Q: {q}\nA:", q=QUESTIONS[:4]), max_tokens=4)
+    second = daskllm.generate(daskllm.prompt("Q: {q}\nDraft: {a}\nBetter:", q=QUESTIONS[:4], a=first), max_tokens=4)
+    report = daskllm.explain(second)
+    assert report["parts"] == {"calls": 8, "workers": 2, "tasks": 2}
+    assert "prefix" not in report and report["stage"]["nodes_fused"] == 0
+    with get_task_stream() as stream, daskllm.usage() as used:
+        answers = second.compute()
+    assert answers == daskllm.compute(second, **NAIVE)[0]
+    assert used.executed["generate"] == 8  # the calls inside the parts are metered
+    parts = [t for t in stream.data if t["key"].startswith("daskllm-part-")]
+    assert len(parts) == 2 and len({t["worker"] for t in parts}) == 2
+    with dask.config.set({"daskllm.rewrite.parts-calls-per-worker": 1}):
+        assert "parts" not in daskllm.explain(second)  # 8 calls > 1 per worker: staged tasks
 
 
 def test_bad_input_fails_at_build_time_naming_the_problem():

@@ -70,11 +70,12 @@ class PlanOptions:
     submit the work its items return (handed down, so the planner imports no runtime).
     """
 
-    passes: tuple = ("cse", "cache", "prune", "prefix", "pipeline", "stage")
+    passes: tuple = ("cse", "cache", "prune", "parts", "prefix", "pipeline", "stage")
     granularity: str = "shard"
     stage_size: tuple[tuple[str, int], ...] = ()
     prefix_min_tokens: int = 16
     prefill_replicas: int | str = "auto"
+    parts_calls_per_worker: int = 32
     block_size: int = 16
     release_threads: bool = True  # tasks waiting on engines secede (``daskllm.rewrite.release-threads``)
     settings: tuple = ()  # every rewrite setting, as sorted items: travels with pmaps for their nested plans
@@ -83,8 +84,8 @@ class PlanOptions:
 
     @property
     def cache_key(self) -> tuple:
-        return (self.passes, self.granularity, self.stage_size, self.prefix_min_tokens,
-                self.prefill_replicas, self.block_size, self.release_threads, self.settings,
+        return (self.passes, self.granularity, self.stage_size, self.prefix_min_tokens, self.prefill_replicas,
+                self.parts_calls_per_worker, self.block_size, self.release_threads, self.settings,
                 self.results.version if self.results is not None else None)
 
     @classmethod
@@ -96,7 +97,8 @@ class PlanOptions:
         return cls(passes=passes, granularity=rewrite.get("granularity", "shard"),
                    stage_size=tuple(sorted((op, int(n)) for op, n in (rewrite.get("stage-size") or {}).items() if n)),
                    prefix_min_tokens=int(rewrite.get("prefix-min-tokens", 16)),
-                   prefill_replicas=rewrite.get("prefill-replicas", "auto"), block_size=int(block_size),
+                   prefill_replicas=rewrite.get("prefill-replicas", "auto"),
+                   parts_calls_per_worker=int(rewrite.get("parts-calls-per-worker", 32)), block_size=int(block_size),
                    release_threads=bool(rewrite.get("release-threads", True)),
                    settings=tuple(sorted((k, _frozen(v)) for k, v in rewrite.items())), **extra)
 
@@ -144,6 +146,7 @@ class PlanState:
     report: dict = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
     dedupe: bool = False  # identical calls are one physical call (the cse pass)
+    as_parts: bool = False  # the plan runs as parts, each in one worker task (the parts pass)
 
 
 def state(graph: nx.DiGraph) -> PlanState:

@@ -49,9 +49,10 @@ class Lowered:
     outputs: dict[str, str] = field(default_factory=dict)  # node key -> output task key
     remember: dict[str, tuple[list[str], bool]] = field(default_factory=dict)  # node key -> (hashes, batched)
     annotations: dict[str, dict] = field(default_factory=dict)  # task key -> its placement annotation
+    in_parts: tuple = ()  # keys of the tasks that run inside the graph's parts (daskllm.plan.parts)
 
     def task_keys(self) -> list:
-        return [k for layer in self.graph.layers.values() for k in layer]
+        return [k for layer in self.graph.layers.values() for k in layer] + list(self.in_parts)
 
 
 class Lowering:

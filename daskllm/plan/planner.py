@@ -5,9 +5,10 @@ from __future__ import annotations
 import networkx as nx
 
 from daskllm.plan import collector
-from daskllm.plan.context import ClusterView, PlanOptions, PlanState
+from daskllm.plan.context import ClusterView, PlanOptions, PlanState, state
 from daskllm.plan.ir import Node
 from daskllm.plan.lower import Lowered, lower
+from daskllm.plan.parts import as_parts
 from daskllm.plan.passes import PassManager
 
 
@@ -38,8 +39,10 @@ def optimize(outputs: list[Node], options: PlanOptions, view: ClusterView) -> nx
 
 
 def plan(outputs: list[Node], options: PlanOptions, view: ClusterView) -> Lowered:
-    """Plan and lower ``outputs`` together."""
-    return lower(optimize(outputs, options, view))
+    """Plan and lower ``outputs`` together (as parts, where the parts pass decided so)."""
+    graph = optimize(outputs, options, view)
+    lowered = lower(graph)
+    return as_parts(lowered) if state(graph).as_parts else lowered
 
 
 def _check_acyclic(graph: nx.DiGraph) -> None:

@@ -38,10 +38,11 @@ from distributed import as_completed
 
 from daskllm.models import model_name
 from daskllm.plan.ir import Node
-from daskllm.runtime.here import engines_needed, plan_here, run_here
+from daskllm.runtime.here import engines_needed, plan_here
 from daskllm.runtime.metering import note_lowering
 from daskllm.runtime.submit import overrides, plan_and_submit
 from daskllm.runtime.view import model_workers
+from daskllm.worker.parts import run_part
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class Consolidator:
                 deliveries = []
                 for part in parts:
                     with dask.annotate(daskllm=part.annotation()):
-                        future = self.client.submit(run_here, part, workers=workers, allow_other_workers=True,
+                        future = self.client.submit(run_part, part, workers=workers, allow_other_workers=True,
                                                     priority=-batch[0].order, pure=False)
                     deliveries.append((future, [by_output[k] for k in part.keys]))
             else:

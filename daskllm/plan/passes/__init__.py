@@ -22,6 +22,7 @@ import networkx as nx
 from daskllm.plan.context import state
 from daskllm.plan.passes.cache import ResultCache
 from daskllm.plan.passes.cse import CommonSubexpressions
+from daskllm.plan.passes.parts import SmallPlanParts
 from daskllm.plan.passes.pipeline import DecodePipelining
 from daskllm.plan.passes.prefix import SharedPrefixPrefill
 from daskllm.plan.passes.prune import Prune
@@ -38,6 +39,7 @@ REGISTRY: dict[str, type] = {
     "cse": CommonSubexpressions,
     "cache": ResultCache,
     "prune": Prune,
+    "parts": SmallPlanParts,
     "prefix": SharedPrefixPrefill,
     "pipeline": DecodePipelining,
     "stage": StageSplit,

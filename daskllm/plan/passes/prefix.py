@@ -67,6 +67,8 @@ class SharedPrefixPrefill:
 
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
         plan = state(graph)
+        if plan.as_parts:  # one engine runs each part's calls: its prefix cache shares their prefixes
+            return graph
         block, threshold = plan.options.block_size, plan.options.prefix_min_tokens
         # model -> static prefix -> [(node, its calls with that prefix, fully static?)]: calls from
         # one template share a prefix, so the tree is built over distinct prefixes, weighted by

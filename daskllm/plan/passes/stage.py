@@ -45,7 +45,9 @@ class StageSplit:
             if node.width > size:
                 decide(graph, node, shard_size=size)
                 split[node.label] = -(-node.width // size)
-        fused = _consolidate(graph, sizes)
+        # Parts (the parts pass): one engine batches a part's calls anyway, and tasks shared
+        # across nodes would only join the parts of different workers into one.
+        fused = 0 if plan.as_parts else _consolidate(graph, sizes)
         plan.report["stage"] = {"nodes_split": len(split), "stages": sum(split.values()), "nodes_fused": fused}
         return graph
 
