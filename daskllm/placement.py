@@ -243,8 +243,10 @@ class PlacementPlugin(SchedulerPlugin):
                 return
             candidates = allowed
         prefix = list(ann.prefix)
-        tokens = ann.prompt_tokens + ann.max_tokens
         calls = ann.shard
+        # An embed's or rerank's inputs are known only when it runs: its calls are its work, so
+        # two such tasks fed by one worker's output still go to different engines.
+        tokens = max(calls, ann.prompt_tokens + ann.max_tokens)
         worker, reason = self._choose(candidates, ann.op, model, prefix, tokens, ts, calls)
         if ann.op == DECODE_TASK:  # the work it adds there: what the cache does not serve
             tokens = max(calls, tokens - calls * self._cached_tokens(worker, model, prefix))

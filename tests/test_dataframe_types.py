@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import json
 
 import dask
 import dask.dataframe as dd
@@ -207,10 +208,21 @@ OPERATORS = {
     "topk": lambda ddf, index: ddf.llm.topk("Rate {t}", 3),
     "choices": lambda ddf, index: ddf.llm.map("About {t}:", choices=["json", "csv", "other"], out="kind"),
     "schema": lambda ddf, index: ddf.llm.map("About {t}:", schema=FLAT, max_tokens=12, out="info", on_error="null"),
+    "schema-nested": lambda ddf, index: ddf.llm.map("About {t}:", schema=NESTED, max_tokens=24, out="info",
+                                                    on_error="null"),
+    "schema-open": lambda ddf, index: ddf.llm.map("About {t}:", schema=OPEN, max_tokens=12, out="info",
+                                                  on_error="null"),
 }
 FLAT = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
         "required": ["name", "n"], "additionalProperties": False}
-CSV = ("map", "map-errors", "filter", "extract", "topk", "choices")  # flat types: CSV holds them, read with dtypes
+# Nested (a $ref, a list, a string enum, an optional value): every type fixed, so a struct.
+NESTED = {"type": "object", "additionalProperties": False, "required": ["tags", "owner", "kind", "n"],
+          "properties": {"tags": {"type": "array", "items": {"type": "string"}}, "owner": {"$ref": "#/$defs/Owner"},
+                         "kind": {"enum": ["a", "b"]}, "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+          "$defs": {"Owner": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+                              "additionalProperties": False}}}
+OPEN = {"type": "object", "properties": {"name": {"type": "string"}}}  # other keys allowed: JSON text
+CSV = ("map", "map-errors", "filter", "extract", "topk", "choices", "schema-open")  # flat types: CSV holds them, read with dtypes
 
 EXPECTED = {
     "map": {"a": STRING},
@@ -224,6 +236,11 @@ EXPECTED = {
     "topk": {"rating": pd.Int64Dtype()},
     "choices": {"kind": pd.CategoricalDtype(["json", "csv", "other"])},
     "schema": {"info": pd.ArrowDtype(pa.struct([("name", pa.string()), ("n", pa.int64())])), "info_error": STRING},
+    "schema-nested": {"info": pd.ArrowDtype(pa.struct([("tags", pa.list_(pa.string())),
+                                                       ("owner", pa.struct([("name", pa.string())])),
+                                                       ("kind", pa.string()), ("n", pa.int64())])),
+                      "info_error": STRING},
+    "schema-open": {"info": STRING, "info_error": STRING},
 }
 
 
@@ -257,6 +274,9 @@ def test_every_operator_has_a_fixed_arrow_schema_and_reads_back_with_no_option(c
     computed = pd.concat(parts)
     if name == "map-errors":
         assert plain(computed["a_error"]) == [None, None, "field 't' is null", "field 't' is null"]
+    if name == "schema-open":  # each answer's JSON text, as json.dumps lays it out
+        texts = [t for t in plain(computed["info"]) if t is not None]
+        assert texts and all(json.dumps(json.loads(t)) == t and isinstance(json.loads(t), dict) for t in texts)
     out.to_parquet(tmp_path / name)
     same_values(dd.read_parquet(tmp_path / name).compute(), computed)  # no reader option
     same_values(pd.read_parquet(tmp_path / name), computed)
@@ -266,6 +286,32 @@ def test_every_operator_has_a_fixed_arrow_schema_and_reads_back_with_no_option(c
         parts = sorted((tmp_path / f"{name}-csv").iterdir())
         dtypes = {c: "string" if d == STRING else d for c, d in computed[columns].dtypes.items()}
         same_values(pd.concat(pd.read_csv(p, index_col=0, dtype=dtypes) for p in parts), computed[columns])
+
+
+def test_a_schema_gives_the_arrow_type_it_fixes_or_json_text():
+    from pydantic import BaseModel, ConfigDict
+
+    from daskllm.dataframe.ops import JSON_TEXT, schema_dtype
+
+    class Owner(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        year: int | None = None
+
+    class Repo(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        owners: list[Owner]
+        stars: float
+
+    class Loose(BaseModel):  # pydantic's default: other keys allowed
+        name: str
+
+    assert schema_dtype(Repo.model_json_schema()) == pd.ArrowDtype(pa.struct([
+        ("owners", pa.list_(pa.struct([("name", pa.string()), ("year", pa.int64())]))), ("stars", pa.float64())]))
+    assert schema_dtype(Loose.model_json_schema()) == JSON_TEXT
+    assert schema_dtype({"type": "array", "items": {"enum": ["a", "b"]}}) == pd.ArrowDtype(pa.list_(pa.string()))
+    assert schema_dtype({"type": "object", "additionalProperties": False,
+                         "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}) == JSON_TEXT
 
 
 def test_the_nested_arrow_type_names_parquet_stores_read_back_as_the_same_type():

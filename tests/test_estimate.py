@@ -3,6 +3,7 @@ against what the run then really does, on a multi-process cluster with the tiny 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -125,9 +126,22 @@ def test_explain_on_a_dataframe_prints_the_preview(client, capsys):
 def test_after_calibration_the_preview_has_a_time(client):
     costs = daskllm.dataframe.calibrate()
     assert costs["tiny"]["prefill_s_per_token"] > 0 and costs["tiny"]["engines"] == 2
-    assert costs["tiny"]["operator_overhead_s"] >= 0
+    assert costs["tiny"]["operator_overhead_s"] >= 0 and costs["tiny"]["call_overhead_s"] >= 0
     preview = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4).llm.estimate()
     assert preview.seconds is not None and preview.seconds > 0 and "estimated time:" in str(preview)
+
+
+def test_an_operators_time_is_its_engine_work_plus_a_fixed_and_a_per_call_overhead():
+    from daskllm.dataframe.estimate import OperatorEstimate, engine_seconds
+
+    cost = {"prefill_s_per_token": 0.001, "decode_s_per_token": 0.01, "engines": 2,
+            "operator_overhead_s": 0.5, "call_overhead_s": 0.002}
+    preview = OperatorEstimate("map", "tiny", "exact", rows=120, distinct=100, cache_hits=0, prompt_tokens=1000,
+                               output_tokens=400, seconds=None, computed_tokens=800)
+    assert preview.calls == 100
+    assert engine_seconds(preview, cost) == pytest.approx(0.5 + 100 * 0.002 + (800 * 0.001 + 400 * 0.01) / 2)
+    nothing = OperatorEstimate("map", "tiny", "exact", 120, 100, 100, 0, 0, None)
+    assert engine_seconds(nothing, cost) == 0.0  # every input remembered: nothing to call
 
 
 # --- progress ------------------------------------------------------------------------------------
@@ -163,31 +177,48 @@ def test_the_progress_bar_closes_and_raises_when_the_job_fails(client):
 def test_the_progress_bar_survives_a_worker_killed_under_it(client):
     """SIGKILL a worker while the bar runs: the bar keeps counting (from the scheduler's view of
     the engines, never asking the dead worker) and the job's output is whole."""
-    qs = [f"Killed bar question {i}: what is {i} plus {i}?" for i in range(24)]
-    gate = distributed.Event("progress-kill-gate")
-    mapped = table(qs, 4).llm.map(TEMPLATE, max_tokens=8, out="a")
+    bar_through(client, signal.SIGKILL, [f"Killed bar question {i}: what is {i} plus {i}?" for i in range(24)])
+    client.wait_for_workers(2, timeout=120)
+
+
+def test_the_progress_bar_goes_on_past_a_worker_that_stops_answering(llm_cluster, tiny_model_dir):
+    """A worker frozen mid-job (SIGSTOP: its process alive, its connections open, answering
+    nothing) until the scheduler gives up on it (worker-ttl, here 3 s: its nanny restarts it):
+    the bar, which never asks a worker, keeps going and the job ends whole. A bar that asked
+    every worker each tick would wait on the frozen one."""
+    with dask.config.set({"distributed.scheduler.worker-ttl": "3s"}), llm_cluster(n_workers=2) as client:
+        bar_through(client, signal.SIGSTOP, [f"Frozen bar question {i}: what is {i} times {i}?" for i in range(16)])
+
+
+def bar_through(client, sig: int, questions: list[str]) -> None:
+    """Run a map job under the bar, send ``sig`` to a worker while it runs (the job ends only
+    after that), and check the bar reached 100% and the output is whole."""
+    gate = distributed.Event(f"progress-gate-{sig}", client=client)
+    mapped = table(questions, 4).llm.map(TEMPLATE, max_tokens=8, out="a")
     job = mapped.map_partitions(wait_for, gate.name, meta=mapped._meta)
-    killed = threading.Event()
+    hit = {}
 
-    def kill_then_open():
+    def signal_then_open():
         victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
-        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-        killed.set()
-        gate.set()  # the job can end only after the kill: the bar was running through it
+        hit["pid"] = client.run(os.getpid, workers=[victim])[victim]
+        os.kill(hit["pid"], sig)
+        gate.set()  # the job can end only after the signal: the bar was running through it
 
-    killer = threading.Thread(target=kill_then_open, daemon=True)
+    sender = threading.Thread(target=signal_then_open, daemon=True)
     out = io.StringIO()
     try:
-        killer.start()
+        sender.start()
         done = daskllm.dataframe.progress(job, file=out, interval=0.1)
     finally:
         gate.set()
-        killer.join(120)
-    assert killed.is_set()
+        sender.join(120)
+        if sig == signal.SIGSTOP and "pid" in hit:
+            with contextlib.suppress(ProcessLookupError):  # its nanny may have replaced it already
+                os.kill(hit["pid"], signal.SIGKILL)
+    assert "pid" in hit
     result = done.compute()
-    assert len(result) == 24 and result["a"].notna().all()
+    assert len(result) == len(questions) and result["a"].notna().all()
     assert "100%" in re.split(r"[\r\n]", out.getvalue().strip())[-1]
-    client.wait_for_workers(2, timeout=120)
 
 
 def wait_for(part: pd.DataFrame, gate: str) -> pd.DataFrame:

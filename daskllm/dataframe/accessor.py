@@ -19,7 +19,7 @@ from daskllm.dataframe.estimate import TableEstimate, estimate
 from daskllm.dataframe import schema as types
 from daskllm.dataframe.cells import check_nulls
 from daskllm.dataframe.joins import sim_join
-from daskllm.dataframe.ops import CASTS, KEY, STRING, Op, as_struct, fields_schema, schema_dtype, yes_no
+from daskllm.dataframe.ops import CASTS, KEY, STRING, Op, as_arrow, fields_schema, schema_dtype, yes_no
 from daskllm.dataframe.rows import RENDERED, lookup, pair_keys, render, render_column
 from daskllm.engines import SamplingParams, StructuredOutput
 from daskllm.prompts import Slot, parse_template, tokenizer_for
@@ -65,8 +65,8 @@ class LLMAccessor:
     def _with(self, results, out: str, on_error: str, dtype=None):
         """``out`` (and ``<out>_error``) assigned; ``dtype`` converts a value column of objects."""
         value = results["value"]
-        if isinstance(dtype, pd.ArrowDtype) and pa.types.is_struct(dtype.pyarrow_dtype):
-            value = value.map_partitions(as_struct, dtype, meta=pd.Series([], dtype=dtype, name="value"))
+        if isinstance(dtype, pd.ArrowDtype):  # parsed schema answers: their Arrow type, or JSON text
+            value = value.map_partitions(as_arrow, dtype, meta=pd.Series([], dtype=dtype, name="value"))
         elif dtype is not None:
             value = value.astype(dtype)
         assigned = {out: value}
@@ -103,8 +103,9 @@ class LLMAccessor:
         ``dedupe``: which task calls each distinct prompt (:mod:`daskllm.dataframe.dedupe`).
 
         Constrained (decoded under a grammar, so every answer parses): ``schema`` (a pydantic
-        model or a JSON schema dict) gives a column of parsed objects, an Arrow struct column
-        where the schema is a flat object of scalars; ``choices`` (a list of str) gives a
+        model or a JSON schema dict) gives a column of the Arrow type the schema fixes (a struct
+        for a closed object: a pydantic model with ``extra="forbid"``), or else of the answers'
+        JSON text; ``choices`` (a list of str) gives a
         categorical column whose values are always among them."""
         slots = self._slots(template)
         model = self._model(model)

@@ -210,7 +210,8 @@ def engine_seconds(preview: OperatorEstimate, cost: dict) -> float:
         return 0.0
     computed = preview.computed_tokens if preview.computed_tokens is not None else preview.prompt_tokens
     work = computed * cost["prefill_s_per_token"] + preview.output_tokens * cost["decode_s_per_token"]
-    return cost.get("operator_overhead_s", 0.0) + work / max(1, cost["engines"])
+    overhead = cost.get("operator_overhead_s", 0.0) + preview.calls * cost.get("call_overhead_s", 0.0)
+    return overhead + work / max(1, cost["engines"])
 
 
 def replace(preview: OperatorEstimate, **changes) -> OperatorEstimate:
@@ -317,7 +318,8 @@ def bounded(op: Op, above: list[OperatorEstimate]) -> OperatorEstimate:
 
 def measured_costs(client=None) -> dict:
     """Per model: the best per-token seconds any worker measured, how many engines serve it, and
-    the seconds an operator's run adds to its engines' work (``operator_overhead_s``)."""
+    the seconds an operator's run adds to its engines' work (``operator_overhead_s``, and
+    ``call_overhead_s`` per call)."""
     client = client if client is not None else current_client()
     if client is None:
         return {}
@@ -328,8 +330,9 @@ def measured_costs(client=None) -> dict:
             b = best.setdefault(model, dict(cost))
             for k, v in cost.items():
                 b[k] = min(b[k], v)
-    return {model: {**cost, "engines": engines.get(model, 1),
-                    "operator_overhead_s": client.get_metadata(overhead_key(model), 0.0)}
+    overhead = {"operator_overhead_s": 0.0, "call_overhead_s": 0.0}
+    return {model: {**cost, "engines": engines.get(model, 1), **overhead,
+                    **client.get_metadata(overhead_key(model), {})}
             for model, cost in best.items()}
 
 
@@ -370,19 +373,21 @@ def warm_up(model: str, dask_worker=None) -> None:
     get_engine(model).generate([[0, 11, 12, 13]], SamplingParams(max_tokens=2, ignore_eos=True))
 
 
-def job_overhead(model: str, client, runs: int = 1) -> float:
-    """Seconds a table operator takes beyond its engines' modelled work: the wall time of a small
-    ``map`` (two partitions per engine, 4 fresh prompts each, so nothing is cached), minus its
-    computed prompt and decoded tokens at the measured per-token costs (the lowest of ``runs``; one
-    keeps calibration short)."""
+def job_overhead(model: str, client) -> dict[str, float]:
+    """What a table operator takes beyond its engines' modelled work: a fixed part (planning,
+    scheduling, the dedupe barrier) and a part per call (its Python work: rendering, task
+    bookkeeping, parsing), fitted to the wall times of two small ``map`` jobs (two partitions
+    per engine, 2 and 8 fresh prompts each, so nothing is cached) minus their computed prompt
+    and decoded tokens at the measured per-token costs. The small job runs twice, first and
+    last: its lower time leaves out one-off costs of a first run."""
     import dask.dataframe as dd  # here: the accessor module imports this one
 
     cost = measured_costs(client)[model]
     parts = 2 * cost["engines"]
-    spent = []
-    for _ in range(runs):
+
+    def extra(per_part: int) -> tuple[int, float]:
         tag = uuid.uuid4().hex[:8]  # fresh prompts: no result store or cache hit
-        rows = pd.DataFrame({"q": [f"Calibration {tag}: say the number {i}." for i in range(4 * parts)]})
+        rows = pd.DataFrame({"q": [f"Calibration {tag}: say the number {i}." for i in range(per_part * parts)]})
         # chat=False: no tokenizer needed on the client, whose first load is no part of a run
         job = dd.from_pandas(rows, npartitions=parts).llm.map("{q}", model=model, max_tokens=4, ignore_eos=True,
                                                                chat=False, out="a")
@@ -391,5 +396,9 @@ def job_overhead(model: str, client, runs: int = 1) -> float:
             job.compute()
             wall = time.perf_counter() - start
         work = used.prefill_tokens_computed * cost["prefill_s_per_token"] + used.decode_tokens * cost["decode_s_per_token"]
-        spent.append(wall - work / max(1, cost["engines"]))
-    return max(0.0, min(spent))
+        return len(rows), wall - work / max(1, cost["engines"])
+
+    small, large, again = extra(2), extra(8), extra(2)
+    small = min(small, again, key=lambda point: point[1])
+    per_call = max(0.0, (large[1] - small[1]) / (large[0] - small[0]))
+    return {"operator_overhead_s": max(0.0, small[1] - per_call * small[0]), "call_overhead_s": per_call}

@@ -169,22 +169,56 @@ def constraint_options(constraint: StructuredOutput | None) -> dict:
     return {name: constraint.value}
 
 
-def schema_dtype(schema: dict):
-    """A column's dtype for answers to ``schema``: an Arrow struct where it is a flat object of
-    scalar properties (so parquet stores named typed fields), else Python objects."""
-    properties = schema.get("properties") if schema.get("type") == "object" else None
-    if not properties or schema.get("additionalProperties") is not False:  # other keys: no fixed fields
-        return object
-    types = {name: ARROW_TYPES.get(p.get("type")) if isinstance(p, dict) else None for name, p in properties.items()}
-    if None in types.values():
-        return object
-    return pd.ArrowDtype(pa.struct([(name, t) for name, t in types.items()]))
+def schema_dtype(schema: dict) -> pd.ArrowDtype:
+    """A column's dtype for answers to ``schema``: the Arrow type the schema fixes (objects
+    whose keys are all declared and closed become structs, arrays lists, ``$ref``, optional
+    values and string enums resolved), so parquet stores named typed fields; where it fixes
+    none (an object open to other keys, a union of types), the answers' JSON text."""
+    arrow = _arrow_type(schema, schema.get("$defs") or schema.get("definitions") or {}, 0)
+    return pd.ArrowDtype(arrow) if arrow is not None else JSON_TEXT
 
 
-def as_struct(values: pd.Series, dtype: pd.ArrowDtype) -> pd.Series:
-    """Parsed objects (dicts, None for a failed row) as an Arrow struct column (pandas has no
-    astype from objects to a struct)."""
-    return pd.Series(pd.arrays.ArrowExtensionArray(pa.array(values.tolist(), type=dtype.pyarrow_dtype)),
+JSON_TEXT = pd.ArrowDtype(pa.string())
+
+
+def _arrow_type(schema, defs: dict, depth: int) -> pa.DataType | None:
+    if not isinstance(schema, dict) or depth > 32:
+        return None
+    if isinstance(ref := schema.get("$ref"), str):
+        name = ref.rsplit("/", 1)[-1]
+        return _arrow_type(defs.get(name), defs, depth + 1)
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if options is not None:  # Optional[X]: X, nullable (every Arrow field is)
+        real = [o for o in options if not (isinstance(o, dict) and o.get("type") == "null")]
+        return _arrow_type(real[0], defs, depth + 1) if len(real) == 1 else None
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        real = [k for k in kind if k != "null"]
+        kind = real[0] if len(real) == 1 else None
+    if "enum" in schema and kind is None:
+        kind = "string" if all(isinstance(v, str) for v in schema["enum"]) else None
+    if kind in ARROW_TYPES:
+        return ARROW_TYPES[kind]
+    if kind == "array":
+        item = _arrow_type(schema.get("items"), defs, depth + 1)
+        return pa.list_(item) if item is not None else None
+    if kind == "object":
+        properties = schema.get("properties")
+        if not properties or schema.get("additionalProperties") is not False:  # other keys: no fixed fields
+            return None
+        fields = [(name, _arrow_type(p, defs, depth + 1)) for name, p in properties.items()]
+        return pa.struct(fields) if all(t is not None for _, t in fields) else None
+    return None
+
+
+def as_arrow(values: pd.Series, dtype: pd.ArrowDtype) -> pd.Series:
+    """Parsed answers (dicts, lists, None for a failed row) as a column of ``dtype``: the
+    Arrow type their schema fixes, or their JSON text (pandas has no astype from objects to
+    either)."""
+    objects = values.tolist()
+    if pa.types.is_string(dtype.pyarrow_dtype):
+        objects = [None if v is None else json.dumps(v) for v in objects]
+    return pd.Series(pd.arrays.ArrowExtensionArray(pa.array(objects, type=dtype.pyarrow_dtype)),
                      index=values.index, name=values.name)
 
 
