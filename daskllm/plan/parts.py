@@ -28,15 +28,12 @@ def as_parts(lowered: Lowered) -> Lowered:
     outputs = dict.fromkeys(lowered.outputs.values())
     inner = {k: t for k, t in graph.items() if k not in outputs}
     needed = list(dict.fromkeys(d for o in outputs for d in graph[o].dependencies if d in inner))
-    engines = frozenset(e for n in lowered.plan if (e := engine_of(n)) is not None)
-    work = {k: int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0)) for k, a in lowered.annotations.items()}
     run, picks, annotations = {}, {}, {}
-    for keys, tasks in independent(inner, needed):
-        part = Part({k: inner[k] for k in tasks}, keys, engines, sum(work.get(k, 0) for k in tasks))
-        part_key = f"daskllm-part-{stable_hash(sorted(map(str, tasks)))[:16]}"
+    for part in parts_of(lowered, inner, needed):
+        part_key = f"daskllm-part-{stable_hash(sorted(map(str, part.graph)))[:16]}"
         run[part_key] = Task(part_key, run_part, part)
         annotations[part_key] = part.annotation()
-        for i, key in enumerate(keys):
+        for i, key in enumerate(part.keys):
             picks[_renamed(key)] = Task(_renamed(key), pick, TaskRef(part_key), i)
     subs = {k: _renamed(k) for k in needed}
     assembled = {_renamed(o): graph[o].substitute(subs, key=_renamed(o)) for o in outputs}
@@ -50,6 +47,15 @@ def as_parts(lowered: Lowered) -> Lowered:
         outputs={node: _renamed(key) for node, key in lowered.outputs.items()},
         report={**lowered.report, "parts": {**lowered.report.get("parts", {}), "tasks": len(run)}},
         annotations=annotations, in_parts=tuple(inner))
+
+
+def parts_of(lowered: Lowered, graph: dict, outputs: list) -> list[Part]:
+    """The tasks of ``graph`` (some of ``lowered``'s) that ``outputs`` need, as parts sharing no
+    task, each with the plan's engines and its calls' token work (from their annotations)."""
+    engines = frozenset(e for n in lowered.plan if (e := engine_of(n)) is not None)
+    work = {k: int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0)) for k, a in lowered.annotations.items()}
+    return [Part({k: graph[k] for k in tasks}, keys, engines, sum(work.get(k, 0) for k in tasks))
+            for keys, tasks in independent(graph, outputs)]
 
 
 def independent(graph: dict, outputs: list) -> list[tuple[list, set]]:

@@ -15,12 +15,11 @@ import dataclasses
 from dask.local import get_sync
 from distributed import worker_client
 
-from daskllm.ops import engine_of
 from daskllm.plan.context import LOCAL
 from daskllm.plan.ir import Node
 from daskllm.plan.lower import Lowered
-from daskllm.plan.parts import independent
-from daskllm.plan.passes.parts import LOCAL_OPS
+from daskllm.plan.parts import parts_of
+from daskllm.plan.passes.parts import local_engines
 from daskllm.runtime import submit
 from daskllm.worker.execute import in_place
 from daskllm.worker.host import host, in_worker
@@ -56,19 +55,14 @@ def served_here(node: Node) -> bool:
 def engines_needed(nodes: list[Node]) -> set[tuple[str, str]] | None:
     """The ``(kind, model)`` engines computing ``nodes`` takes; None where it takes more than
     engines (an op outside :data:`~daskllm.plan.passes.parts.LOCAL_OPS`: an index shard, a stream)."""
-    needed: set = set()
-    todo, seen = list(nodes), set()
+    closure: dict[str, Node] = {}
+    todo = list(nodes)
     while todo:
         n = todo.pop()
-        if n.key in seen:
-            continue
-        seen.add(n.key)
-        if n.op not in LOCAL_OPS:
-            return None
-        if (engine := engine_of(n)) is not None:
-            needed.add(engine)
-        todo.extend(n.inputs.values())
-    return needed
+        if n.key not in closure:
+            closure[n.key] = n
+            todo.extend(n.inputs.values())
+    return local_engines(closure.values())
 
 
 def plan_here(nodes: list[Node]) -> tuple[list[Part], Lowered]:
@@ -79,13 +73,8 @@ def plan_here(nodes: list[Node]) -> tuple[list[Part], Lowered]:
     prefill tasks: one engine runs all the calls, and its prefix cache computes a prefix they
     share once, so a prefill task would only add an engine round trip before each stage."""
     lowered = _local_plan(nodes, drop=("stage", "prefix"))
-    engines = frozenset(e for n in lowered.plan if (e := engine_of(n)) is not None)
-    graph = dict(lowered.graph)
     outputs = list(dict.fromkeys(lowered.outputs[n.key] for n in nodes))  # CSE may merge two nodes' outputs
-    work = {key: int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0)) for key, a in lowered.annotations.items()}
-    parts = [Part({k: graph[k] for k in tasks}, keys, engines, sum(work.get(k, 0) for k in tasks))
-             for keys, tasks in independent(graph, outputs)]
-    return parts, lowered
+    return parts_of(lowered, dict(lowered.graph), outputs), lowered
 
 
 def _local_plan(nodes: list[Node], drop: tuple[str, ...]) -> Lowered:

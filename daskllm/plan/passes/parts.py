@@ -13,13 +13,24 @@ prefix cache computes a prefix they share once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import networkx as nx
 
 from daskllm.ops import engine_of
 from daskllm.plan.context import state
+from daskllm.plan.ir import Node
 
 # What a task can compute in its own thread: no index shard, stream or other task's value to wait for.
 LOCAL_OPS = frozenset({"const", "gather", "generate", "prefill", "embed", "rerank"})
+
+
+def local_engines(nodes: Iterable[Node]) -> set[tuple[str, str]] | None:
+    """The ``(kind, model)`` engines computing ``nodes`` takes; None where it takes more than
+    engines (an op outside :data:`LOCAL_OPS`: an index shard, a stream)."""
+    if any(node.op not in LOCAL_OPS for node in nodes):
+        return None
+    return {engine for node in nodes if (engine := engine_of(node)) is not None}
 
 
 class SmallPlanParts:
@@ -27,8 +38,8 @@ class SmallPlanParts:
 
     def run(self, graph: nx.DiGraph) -> nx.DiGraph:
         plan = state(graph)
-        engines = {engine for node in graph if (engine := engine_of(node)) is not None}
-        if not (plan.view.on_cluster and engines and all(node.op in LOCAL_OPS for node in graph)):
+        engines = local_engines(graph)
+        if not (plan.view.on_cluster and engines):
             return graph
         calls = sum(node.n for node in graph if engine_of(node) is not None)
         workers = min(plan.view.holding(model, kind) for kind, model in engines)
