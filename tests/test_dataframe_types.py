@@ -291,7 +291,7 @@ def test_every_operator_has_a_fixed_arrow_schema_and_reads_back_with_no_option(c
 def test_a_schema_gives_the_arrow_type_it_fixes_or_json_text():
     from pydantic import BaseModel, ConfigDict
 
-    from daskllm.dataframe.ops import JSON_TEXT, schema_dtype
+    from daskllm.dataframe.ops import JSON_TEXT, as_arrow, schema_dtype
 
     class Owner(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -310,6 +310,9 @@ def test_a_schema_gives_the_arrow_type_it_fixes_or_json_text():
         ("owners", pa.list_(pa.struct([("name", pa.string()), ("year", pa.int64())]))), ("stars", pa.float64())]))
     assert schema_dtype(Loose.model_json_schema()) == JSON_TEXT
     assert schema_dtype({"type": "array", "items": {"enum": ["a", "b"]}}) == pd.ArrowDtype(pa.list_(pa.string()))
+    assert schema_dtype({"type": "string"}) == JSON_TEXT  # a lone scalar: its JSON text, as any text column here
+    text = as_arrow(pd.Series(["a", {"b": 1}, None]), JSON_TEXT)
+    assert text[:2].tolist() == ['"a"', '{"b": 1}'] and pd.isna(text[2]) and text.dtype == JSON_TEXT
     assert schema_dtype({"type": "object", "additionalProperties": False,
                          "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}) == JSON_TEXT
 

@@ -170,15 +170,17 @@ def constraint_options(constraint: StructuredOutput | None) -> dict:
 
 
 def schema_dtype(schema: dict) -> pd.ArrowDtype:
-    """A column's dtype for answers to ``schema``: the Arrow type the schema fixes (objects
-    whose keys are all declared and closed become structs, arrays lists, ``$ref``, optional
-    values and string enums resolved), so parquet stores named typed fields; where it fixes
-    none (an object open to other keys, a union of types), the answers' JSON text."""
+    """A column's dtype for answers to ``schema``: the struct or list type the schema fixes
+    (objects whose keys are all declared and closed become structs, arrays lists, ``$ref``,
+    optional values and string enums resolved), so parquet stores named typed fields; for any
+    other schema (an object open to other keys, a union of types, a lone scalar), the answers'
+    JSON text. A text column of a schema's answers always holds JSON (see :func:`as_arrow`)."""
     arrow = _arrow_type(schema, schema.get("$defs") or schema.get("definitions") or {}, 0)
-    return pd.ArrowDtype(arrow) if arrow is not None else JSON_TEXT
+    nested = arrow is not None and (pa.types.is_struct(arrow) or pa.types.is_list(arrow))
+    return pd.ArrowDtype(arrow) if nested else JSON_TEXT
 
 
-JSON_TEXT = pd.ArrowDtype(pa.string())
+JSON_TEXT = STRING
 
 
 def _arrow_type(schema, defs: dict, depth: int) -> pa.DataType | None:
@@ -213,8 +215,8 @@ def _arrow_type(schema, defs: dict, depth: int) -> pa.DataType | None:
 
 def as_arrow(values: pd.Series, dtype: pd.ArrowDtype) -> pd.Series:
     """Parsed answers (dicts, lists, None for a failed row) as a column of ``dtype``: the
-    Arrow type their schema fixes, or their JSON text (pandas has no astype from objects to
-    either)."""
+    struct or list type their schema fixes, or (``JSON_TEXT``) their JSON text (pandas has no
+    astype from objects to either)."""
     objects = values.tolist()
     if pa.types.is_string(dtype.pyarrow_dtype):
         objects = [None if v is None else json.dumps(v) for v in objects]
