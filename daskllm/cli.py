@@ -32,16 +32,20 @@ def main():
 @click.option("--max-tokens", default=48, show_default=True, help="Most tokens generated per answer.")
 @click.option("--rows", type=click.IntRange(1), default=None,
               help="Rows of the table job (default: every row of its 12 modules, about 400).")
+@click.option("--passages", "n_passages", type=click.IntRange(1), default=None,
+              help="Documentation passages in the index, the questions' own modules first (default: all "
+                   "of its 50 modules, about 1,600).")
 @click.option("--dashboard-address", default=DASHBOARD_ADDRESS, show_default=True,
               help="Where the dashboard listens; it has no authentication, so only this machine by default "
                    "(0.0.0.0:8787: every interface, see docs/dashboard.md).")
 @click.option("--keep-alive", default=0.0, help="Seconds to keep the cluster (and dashboard) up afterwards.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the summary as JSON.")
-def demo(model, n_workers, n_questions, max_tokens, rows, dashboard_address, keep_alive, json_path):
+def demo(model, n_workers, n_questions, max_tokens, rows, n_passages, dashboard_address, keep_alive, json_path):
     """The main job: a real model answers questions about the standard library with retrieval on a
     local cluster, then a table job; prints what the plan did and the dashboard's address."""
     summary = demo_job.run(model=model, n_workers=n_workers, n_questions=n_questions, max_tokens=max_tokens,
-                           rows=rows, dashboard_address=dashboard_address, keep_alive=keep_alive, echo=click.echo)
+                           rows=rows, dashboard_address=dashboard_address, keep_alive=keep_alive,
+                           n_passages=n_passages, echo=click.echo)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2, default=str)

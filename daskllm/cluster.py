@@ -12,6 +12,7 @@ import asyncio
 import copy
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping
 
 import dask
@@ -27,6 +28,7 @@ from daskllm.dashboard import DashboardPlugin
 from daskllm.engines import EngineSpec
 from daskllm.models import DEFAULT_EMBEDDING_MODEL, resolve
 from daskllm.placement import PlacementPlugin
+from daskllm.prompts import tokenizer_for
 from daskllm.streaming import StreamJanitor
 from daskllm.worker import EngineHost, default_num_threads
 
@@ -65,6 +67,22 @@ def fork_workers_from_preloaded_server() -> None:
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
     get_mp_context()  # distributed's own preload list, set once: replaced by ours
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_IMPORTS))
+
+
+def warm_tokenizers(models: Iterable[str]) -> None:
+    """Load this process's tokenizers for ``models`` in a background thread. Planning a
+    model's first call tokenizes its prompts, and loading a tokenizer first imports
+    transformers (seconds of CPU); the workers take as long to start, in other processes.
+    A failure is left for that first call to raise."""
+
+    def load() -> None:
+        for model in models:
+            try:
+                tokenizer_for(model)
+            except Exception:  # noqa: BLE001 - reported by the call that needs it
+                return
+
+    threading.Thread(target=load, daemon=True, name="daskllm-warm-tokenizers").start()
 
 
 def discover_gpus() -> list[str]:
@@ -119,6 +137,7 @@ class LocalLLMCluster(LocalCluster):
         self.engine_specs = EngineSpec.expand(models, embedders, rerankers, backend=backend)
         for spec in self.engine_specs:
             resolve(spec.model)
+        warm_tokenizers(dict.fromkeys(s.model for s in self.engine_specs if s.kind == "llm"))
         self.gpus = discover_gpus() if gpus == "auto" else list(gpus or [])
         # A tensor-parallel model needs its GPUs in one worker.
         self.gpus_per_worker = gpus_per_worker or max(int(s.options.get("tensor_parallel_size", 1))

@@ -53,12 +53,14 @@ TABLE_MODULES = ["json", "csv", "os", "shutil", "tempfile", "glob", "hashlib", "
 PURPOSE = "In one line, what is the Python {module} module for?"
 
 
-def passages(modules=MODULES):
-    """The documentation passages of ``modules``: (qualname, "qualname(signature): first sentence")."""
+def passages(modules=MODULES, first=(), limit: int | None = None):
+    """The documentation passages of ``modules``: (module, qualname, "qualname(signature): first
+    sentence"); those of the modules in ``first`` come first, then the others, ``limit`` in all."""
     docs = load("stdlib-docs")
     docs = docs[docs["module"].isin(list(modules))]
-    return [(row.qualname, f"{row.qualname}{row.signature or ''}: {row.first_sentence}"[:PASSAGE_CHARS])
-            for row in docs.itertuples()]
+    docs = docs.assign(later=~docs["module"].isin(list(first))).sort_values("later", kind="stable")
+    return [(row.module, row.qualname, f"{row.qualname}{row.signature or ''}: {row.first_sentence}"[:PASSAGE_CHARS])
+            for row in docs.itertuples()][:limit]
 
 
 def answer_graph(index, questions: list[str], model: str, *, system: str, k: int, max_tokens: int):
@@ -77,16 +79,18 @@ def answer_graph(index, questions: list[str], model: str, *, system: str, k: int
     return hits, with_docs, without
 
 
-def answer_questions(client, model: str, n_questions: int, max_tokens: int, echo=print) -> dict:
-    """Section 1 and 2: retrieval-augmented answers, checked, then the plan's numbers."""
-    found = passages()
+def answer_questions(client, model: str, n_questions: int, max_tokens: int, n_passages: int | None = None,
+                     echo=print) -> dict:
+    """Section 1 and 2: retrieval-augmented answers, checked, then the plan's numbers. The index
+    holds ``n_passages`` (default: all), the asked questions' own modules first."""
+    asked = QUESTIONS[:n_questions]
+    found = passages(first={module for _, module in asked}, limit=n_passages)
     echo(f"\n1. Questions about the Python standard library, answered from its documentation\n")
     start = time.perf_counter()
-    index = ShardedIndex.from_texts(client, "demo-stdlib", [text for _, text in found])
+    index = ShardedIndex.from_texts(client, "demo-stdlib", [text for *_, text in found])
     index_seconds = time.perf_counter() - start
-    echo(f"Indexed {len(found):,} documentation passages of {len(MODULES)} standard-library modules (MiniLM "
-         f"embeddings, a faiss index sharded over the workers) in {index_seconds:.1f} s.")
-    asked = QUESTIONS[:n_questions]
+    echo(f"Indexed {len(found):,} documentation passages of {len({m for m, *_ in found})} standard-library modules "
+         f"(MiniLM embeddings, a faiss index sharded over the workers) in {index_seconds:.1f} s.")
     questions = [q for q, _ in asked]
     hits, with_docs, without = answer_graph(index, questions, model, system=SYSTEM, k=3, max_tokens=max_tokens)
 
@@ -187,7 +191,7 @@ def _plain_dask_map(part, model, max_tokens):
 
 def run(model: str | None = None, n_workers: int = 2, n_questions: int = 12, max_tokens: int = 48,
         rows: int | None = None, dashboard_address: str = DASHBOARD_ADDRESS, keep_alive: float = 0.0,
-        echo=print) -> dict:
+        n_passages: int | None = None, echo=print) -> dict:
     model = model or config.get("model")
     recipe = models.RECIPES.get(model)
     if isinstance(recipe, models.ConvertedRecipe) and not any(r.name == model and r.path for r in models.list_recipes()):
@@ -202,7 +206,7 @@ def run(model: str | None = None, n_workers: int = 2, n_questions: int = 12, max
         echo(f"Cluster up in {startup:.1f} s. Dashboard: {cluster.dashboard_link} (LLM page: {llm_page})")
         summary = {"model": model, "workers": n_workers, "startup_seconds": startup,
                    "dashboard": cluster.dashboard_link}
-        summary["qa"] = answer_questions(client, model, n_questions, max_tokens, echo=echo)
+        summary["qa"] = answer_questions(client, model, n_questions, max_tokens, n_passages, echo=echo)
         summary["table"] = table_job(model, max_tokens=min(max_tokens, 24), rows=rows, echo=echo)
         echo(f"\nDashboard: {cluster.dashboard_link}; the LLM page: {llm_page}")
         if keep_alive:

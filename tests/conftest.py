@@ -7,6 +7,12 @@ import os
 import pathlib
 from collections.abc import Iterator
 
+# Two test processes share the machine's cores (`make test` runs `-n 2`), and every cluster,
+# subprocess and docs example they start inherits this: OpenMP threads that spin while they
+# wait for work (libgomp's default) would take the cores the other process's models need
+# (measured: four docs examples in two processes, 75 s with spinning, 57 s without).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import dask.config
 import pytest
 from distributed import Client

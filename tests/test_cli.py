@@ -97,6 +97,7 @@ def test_demo_runs_end_to_end_with_right_readable_answers(tmp_path, smollm2_mode
     summary_file = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if k != DEFAULT_MODEL_ENV}
     run = subprocess.run([BIN / "daskllm", "demo", "--questions", "4", "--rows", "60", "--max-tokens", "32",
+                          "--passages", "300",
                           "--dashboard-address", "127.0.0.1:0", "--json", summary_file],
                          capture_output=True, text=True, timeout=400, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -105,7 +106,7 @@ def test_demo_runs_end_to_end_with_right_readable_answers(tmp_path, smollm2_mode
     assert "Traceback" not in run.stdout and "Warning:" not in run.stdout
     summary = json.loads(summary_file.read_text())
     qa, table = summary["qa"], summary["table"]
-    assert summary["model"] == "smollm2" and qa["questions"] == 4
+    assert summary["model"] == "smollm2" and qa["questions"] == 4 and qa["passages"] == 300
     assert qa["named_module_with_docs"] >= 3  # retrieval puts the right module in front of the model
     assert qa["same_answers_as_naive"] and table["same_answers"]
     assert all(answer.strip() for answer in qa["answers"])
