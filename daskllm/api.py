@@ -351,7 +351,8 @@ def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None,
                      f"{r.get('nodes_fused', 0)} nodes consolidated")
     if "pipeline" in report:
         r = report["pipeline"]
-        lines.append(f"decode pipelining: {r['streamed']} pmaps streamed, {r['pmaps_fused']} pmaps fused")
+        short = f" ({r['short_decodes']} over decodes too short to pay)" if r.get("short_decodes") else ""
+        lines.append(f"decode pipelining: {r['streamed']} pmaps streamed{short}, {r['pmaps_fused']} pmaps fused")
     if "parts" in report:
         r = report["parts"]
         lines.append(f"parts: the plan's {r['calls']} calls run in {_count(r['tasks'], 'worker task')} "

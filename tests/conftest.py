@@ -57,6 +57,14 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+@pytest.fixture
+def stream_every_decode():
+    """Streams every split decode feeding a pmap: ``tiny``'s decodes finish well within
+    ``daskllm.rewrite.stream-min-seconds``, so the pipeline pass would not stream them."""
+    with dask.config.set({"daskllm.rewrite.stream-min-seconds": 0}):
+        yield
+
+
 @pytest.fixture(scope="session")
 def daskllm_cache(request, tmp_path_factory) -> Iterator[str]:
     """One model/corpus cache for the session and its children.

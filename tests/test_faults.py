@@ -47,6 +47,7 @@ def running_on(client, keys: set) -> str | None:
     return None
 
 
+@pytest.mark.usefixtures("stream_every_decode")
 def test_a_killed_consumer_worker_mid_stream_gives_the_unstreamed_result(client):
     # The rerun consumer never sees the items the dead one took from its queue: it takes
     # them from the decode's result.

@@ -220,6 +220,25 @@ def _verify(claim):
     return daskllm.generate(daskllm.prompt("Check: {c}", c=claim), max_tokens=2)
 
 
+def test_only_decodes_long_enough_to_pay_are_streamed():
+    """The pipeline pass streams a split decode expected to take stream-min-seconds or more
+    (its max_tokens at the view's seconds per step); unmeasured, it streams."""
+    from daskllm.plan.context import ClusterView
+    from daskllm.runtime.submit import plan
+
+    holders = ((("llm", "tiny"), 2),)
+    pmap = lambda max_tokens: daskllm.pmap(daskllm.generate("Claims:", model="tiny", max_tokens=max_tokens,
+                                                            split=daskllm.words(2)), _verify)
+    measured = ClusterView(on_cluster=True, holders=holders, reporting=2, step_seconds=(("tiny", 0.01),))
+    report = lambda node, view: plan([node], view=view).report["pipeline"]
+    assert report(pmap(8), measured) == {"pmaps_fused": 0, "streamed": 0, "short_decodes": 1}  # 0.08 s
+    assert report(pmap(64), measured) == {"pmaps_fused": 0, "streamed": 1, "short_decodes": 0}  # 0.64 s
+    unmeasured = ClusterView(on_cluster=True, holders=holders, reporting=2)
+    assert report(pmap(8), unmeasured)["streamed"] == 1
+    with dask.config.set({"daskllm.rewrite.stream-min-seconds": 0.05}):
+        assert report(pmap(8), measured)["streamed"] == 1
+
+
 def test_per_item_streams_share_decode_and_consumer_tasks():
     """Per-item split generates (as a pmap's items make them) share decode tasks, and their
     streamed pmaps one consumer per decode task: not a task each."""

@@ -162,6 +162,9 @@ def test_builders_given_a_stream_work_item_by_item(tiny_model_dir):
 # --- on a cluster --------------------------------------------------------------------------------
 
 
+pytestmark = pytest.mark.usefixtures("stream_every_decode")
+
+
 @pytest.fixture(scope="module")
 def client(llm_cluster, tiny_model_dir):
     with llm_cluster(n_workers=2, threads_per_worker=4) as client:
@@ -208,6 +211,24 @@ def test_first_consumer_starts_before_the_decode_ends(client):
     first_start = min(spans[k][0] for k in item_decodes)
     assert first_start < spans[producer][1], "no item's work started before the decode ended"
     assert value == unstreamed(pipeline)
+
+
+def test_a_decode_too_short_to_pay_is_not_streamed(client):
+    """Streaming is decided by the decode's expected time (its max_tokens at the engines'
+    measured seconds per step) against stream-min-seconds; either way the result is the same."""
+    from daskllm.runtime.view import take_view
+
+    daskllm.compute(stream("Warm up", max_tokens=16, split="lines"), result_cache=False)
+    poll_for(lambda: take_view(fresh=True).decode_seconds("tiny", 1) is not None, timeout=20)
+    expected = take_view(fresh=True).decode_seconds("tiny", 48)
+    pipeline = daskllm.collect(daskllm.generate(daskllm.prompt("Say {x}:", x=stream(max_tokens=48)), max_tokens=4))
+    reports = {}
+    for name, threshold in {"short": expected * 2, "long": expected / 2}.items():
+        with dask.config.set({"daskllm.rewrite.stream-min-seconds": threshold}):
+            reports[name] = daskllm.explain(pipeline, file=open(os.devnull, "w"))["pipeline"]
+            assert daskllm.compute(pipeline, result_cache=False)[0] == unstreamed(pipeline)
+    assert (reports["short"]["streamed"], reports["short"]["short_decodes"]) == (0, 1)
+    assert (reports["long"]["streamed"], reports["long"]["short_decodes"]) == (1, 0)
 
 
 def test_ordered_collect_when_items_finish_out_of_order(client):

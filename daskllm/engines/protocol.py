@@ -206,6 +206,10 @@ class EngineStats:
     preemptions: int = 0
     evicted_blocks: int = 0
     busy_seconds: float = 0.0
+    # The fastest step in which every sequence decoded one token (0.0: none yet): a decode's
+    # best time per token here, whatever the load (``busy_seconds / steps`` mixes in prefill
+    # chunks and time lost to other threads).
+    fastest_decode_step: float = 0.0
     # gauges
     running: int = 0
     waiting: int = 0

@@ -39,12 +39,21 @@ class ClusterView:
 
     ``holders``: ``((engine kind, model name), number of workers holding it)``, sorted.
     ``on_cluster``: work runs on a distributed cluster (streams need one; the local
-    schedulers compute pmaps over finished lists).
+    schedulers compute pmaps over finished lists). ``step_seconds``: ``(model name, seconds
+    per decode step)``, sorted: its holders' fastest so far (a decode's time per token on an
+    engine with nothing else to do), rounded to a power of two so that the view, part of
+    every plan's cache key, seldom changes.
     """
 
     on_cluster: bool = False
     holders: tuple[tuple[tuple[str, str], int], ...] = ()
     reporting: int = 0  # workers that report daskllm engines at all
+    step_seconds: tuple[tuple[str, float], ...] = ()
+
+    def decode_seconds(self, model: str, tokens: int) -> float | None:
+        """About how long decoding ``tokens`` tokens of ``model`` takes at best on its holders; None: not measured yet."""
+        step = dict(self.step_seconds).get(model_name(model))
+        return None if step is None else step * tokens
 
     def holding(self, model: str, kind: str = "llm") -> int:
         """Workers holding ``model`` (by recipe name or path); at least 1, so shard sizes stay defined."""
@@ -76,6 +85,7 @@ class PlanOptions:
     prefix_min_tokens: int = 16
     prefill_replicas: int | str = "auto"
     parts_calls_per_worker: int = 32
+    stream_min_seconds: float = 0.5
     block_size: int = 16
     release_threads: bool = True  # tasks waiting on engines secede (``daskllm.rewrite.release-threads``)
     settings: tuple = ()  # every rewrite setting, as sorted items: travels with pmaps for their nested plans
@@ -85,7 +95,7 @@ class PlanOptions:
     @property
     def cache_key(self) -> tuple:
         return (self.passes, self.granularity, self.stage_size, self.prefix_min_tokens, self.prefill_replicas,
-                self.parts_calls_per_worker, self.block_size, self.release_threads, self.settings,
+                self.parts_calls_per_worker, self.stream_min_seconds, self.block_size, self.release_threads, self.settings,
                 self.results.version if self.results is not None else None)
 
     @classmethod
@@ -98,7 +108,8 @@ class PlanOptions:
                    stage_size=tuple(sorted((op, int(n)) for op, n in (rewrite.get("stage-size") or {}).items() if n)),
                    prefix_min_tokens=int(rewrite.get("prefix-min-tokens", 16)),
                    prefill_replicas=rewrite.get("prefill-replicas", "auto"),
-                   parts_calls_per_worker=int(rewrite.get("parts-calls-per-worker", 32)), block_size=int(block_size),
+                   parts_calls_per_worker=int(rewrite.get("parts-calls-per-worker", 32)),
+                   stream_min_seconds=float(rewrite.get("stream-min-seconds", 0.5)), block_size=int(block_size),
                    release_threads=bool(rewrite.get("release-threads", True)),
                    settings=tuple(sorted((k, _frozen(v)) for k, v in rewrite.items())), **extra)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections import Counter
@@ -56,6 +57,7 @@ def take_view(client=None, *, fresh: bool = False) -> ClusterView:
 def _asked(client) -> ClusterView:
     """The view, from the scheduler (one round trip)."""
     holders: Counter = Counter()
+    fastest: dict[str, float] = {}  # model -> its holders' fastest decode step
     reporting = 0
     for info in _workers_info(client):
         metrics = (info.get("metrics") or {}).get("daskllm")
@@ -64,7 +66,15 @@ def _asked(client) -> ClusterView:
         reporting += 1
         for kind, names in (metrics.get("models") or {}).items():
             holders.update((kind, model_name(name)) for name in set(names))
-    return ClusterView(on_cluster=True, holders=tuple(sorted(holders.items())), reporting=reporting)
+        for name, stats in ((metrics.get("engines") or {}).get("llm") or {}).items():
+            if (seconds := float(stats.get("fastest_decode_step") or 0.0)) > 0.0:
+                fastest[model_name(name)] = min(seconds, fastest.get(model_name(name), seconds))
+    return ClusterView(on_cluster=True, holders=tuple(sorted(holders.items())), reporting=reporting,
+                       step_seconds=tuple(sorted((model, _power_of_two(s)) for model, s in fastest.items())))
+
+
+def _power_of_two(seconds: float) -> float:
+    return 2.0 ** round(math.log2(seconds))
 
 
 def model_workers(client) -> dict[tuple[str, str], list[str]]:

@@ -10,7 +10,8 @@ back to back for each item, so an item flows through the whole chain without wai
 its siblings at each step; builder stages take the previous stage's node directly and an
 item's whole chain is one graph.
 
-Without this pass the same pipeline runs unstreamed: the decode finishes, then each pmap
+A decode expected to finish within ``daskllm.rewrite.stream-min-seconds`` is not streamed
+(:func:`_pays`). Without this pass the same pipeline runs unstreamed: the decode finishes, then each pmap
 runs over the complete list, one pmap after the other; the results are the same.
 """
 
@@ -47,14 +48,29 @@ class DecodePipelining:
                 source = below
                 fused += 1
             decide(graph, node, spec=spec, args=tuple(args), source=source)
-        streamed = 0
+        streamed = short = 0
         if plan.view.on_cluster:  # queues need a cluster; computing locally, pmaps take the finished list
             for node in graph:
-                if pmap_op.is_pmap(node) and generate_op.is_split(pmap_op.source(graph, node)):
+                source = pmap_op.source(graph, node) if pmap_op.is_pmap(node) else None
+                if source is None or not generate_op.is_split(source):
+                    continue
+                if _pays(plan, source):
                     decide(graph, node, streamed=True)
                     streamed += 1
-        plan.report["pipeline"] = {"pmaps_fused": fused, "streamed": streamed}
+                else:
+                    short += 1
+        plan.report["pipeline"] = {"pmaps_fused": fused, "streamed": streamed, "short_decodes": short}
         return graph
+
+
+def _pays(plan, source) -> bool:
+    """Streaming overlaps a decode's later items with the work of its first ones, and costs
+    its consumers a round of nested planning and submission per batch of items that arrive.
+    A decode shorter than ``stream-min-seconds`` at best (its ``max_tokens`` at its holders'
+    fastest measured decode step) gives that overlap too little to pay; one not measured
+    yet streams."""
+    expected = plan.view.decode_seconds(source.params["model"], source.params["sampling"].max_tokens)
+    return expected is None or expected >= plan.options.stream_min_seconds
 
 
 def _compatible(inner: PmapSpec, outer: PmapSpec) -> bool:
