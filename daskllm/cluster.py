@@ -117,7 +117,8 @@ class LocalLLMCluster(LocalCluster):
     ``127.0.0.1:8787`` unless ``dashboard_address`` says otherwise (it has no authentication), and
     the scheduler on 127.0.0.1 unless ``host`` does (LocalCluster's default). Every model is
     resolved (and built, for a recipe, once) before any worker starts, so a bad name fails
-    here with a clear error rather than in every worker.
+    here with a clear error rather than in every worker; the LLMs' tokenizers, which planning
+    needs in this process, load while the workers start.
 
     ``backend`` (torch, vllm, auto) applies to specs that name none. With GPUs each worker
     gets ``gpus_per_worker`` of them (default: the largest ``tensor_parallel_size`` among

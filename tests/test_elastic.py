@@ -14,6 +14,7 @@ import pytest
 from distributed.utils_test import poll_for
 
 import daskllm
+from daskllm.runtime.view import take_view
 from daskllm.worker import engine_stats, resident_models
 
 
@@ -36,10 +37,13 @@ def workers(client) -> set[str]:
 
 
 def scale(client, n: int) -> None:
-    """Scale to ``n`` workers, each with its engines loaded."""
+    """Scale to ``n`` workers, each with its engines loaded, and plan for them: a computation
+    reuses the planner's cluster view for up to 2 s (VIEW_TTL), so ask for a fresh one, as a
+    computation 2 s later would."""
     client.cluster.scale(n)
     poll_for(lambda: len(workers(client)) == n and len(client.cluster.workers) == n, timeout=120)
     resident_models(client)
+    poll_for(lambda: take_view(client, fresh=True).holding("tiny") == n, timeout=30)
 
 
 def finished(client, worker: str) -> int:
