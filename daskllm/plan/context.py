@@ -51,7 +51,8 @@ class ClusterView:
     step_seconds: tuple[tuple[str, float], ...] = ()
 
     def decode_seconds(self, model: str, tokens: int) -> float | None:
-        """About how long decoding ``tokens`` tokens of ``model`` takes at best on its holders; None: not measured yet."""
+        """About how long decoding ``tokens`` tokens of ``model`` takes at best on its holders;
+        None: not measured yet."""
         step = dict(self.step_seconds).get(model_name(model))
         return None if step is None else step * tokens
 
@@ -95,8 +96,8 @@ class PlanOptions:
     @property
     def cache_key(self) -> tuple:
         return (self.passes, self.granularity, self.stage_size, self.prefix_min_tokens, self.prefill_replicas,
-                self.parts_calls_per_worker, self.stream_min_seconds, self.block_size, self.release_threads, self.settings,
-                self.results.version if self.results is not None else None)
+                self.parts_calls_per_worker, self.stream_min_seconds, self.block_size, self.release_threads,
+                self.settings, self.results.version if self.results is not None else None)
 
     @classmethod
     def from_settings(cls, rewrite: Mapping, block_size: int, **extra) -> PlanOptions:

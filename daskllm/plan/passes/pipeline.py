@@ -10,9 +10,9 @@ back to back for each item, so an item flows through the whole chain without wai
 its siblings at each step; builder stages take the previous stage's node directly and an
 item's whole chain is one graph.
 
-A decode expected to finish within ``daskllm.rewrite.stream-min-seconds`` is not streamed
-(:func:`_pays`). Without this pass the same pipeline runs unstreamed: the decode finishes, then each pmap
-runs over the complete list, one pmap after the other; the results are the same.
+A decode that would finish within ``daskllm.rewrite.stream-min-seconds`` is not streamed
+(:func:`_pays`). Without this pass the same pipeline runs unstreamed: the decode finishes,
+then each pmap runs over the complete list, one pmap after the other; the results are the same.
 """
 
 from __future__ import annotations
