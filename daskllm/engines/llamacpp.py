@@ -423,13 +423,7 @@ class LlamaCppEngine(SteppingEngine):
                     continue
                 self._choose(seq, logits[row])
                 row += 1
-            self._stats.steps += 1
-            self._stats.batched_sequences += len(step)
-            self._stats.max_batch_size = max(self._stats.max_batch_size, len(step))
-            seconds = time.perf_counter() - start
-            self._stats.busy_seconds += seconds
-            if all(n == 1 for _, n in step) and not 0.0 < self._stats.fastest_decode_step <= seconds:
-                self._stats.fastest_decode_step = seconds
+            self._stats.record_step(len(step), time.perf_counter() - start, all(n == 1 for _, n in step))
 
     def _finish_prefill(self, seq: Sequence) -> None:
         chain = tuple(self._chains.get(self._slot_of[seq], ()))

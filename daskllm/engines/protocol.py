@@ -216,6 +216,16 @@ class EngineStats:
     cache_blocks_used: int = 0
     cache_blocks_total: int = 0
 
+    def record_step(self, sequences: int, seconds: float, decode_only: bool) -> None:
+        """Count a completed step of ``sequences`` that took ``seconds``; ``decode_only``: every
+        sequence in it decoded one token."""
+        self.steps += 1
+        self.batched_sequences += sequences
+        self.max_batch_size = max(self.max_batch_size, sequences)
+        self.busy_seconds += seconds
+        if decode_only and (self.fastest_decode_step == 0.0 or seconds < self.fastest_decode_step):
+            self.fastest_decode_step = seconds
+
     @property
     def mean_batch_size(self) -> float:
         return self.batched_sequences / self.steps if self.steps else 0.0

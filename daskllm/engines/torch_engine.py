@@ -166,13 +166,7 @@ class TorchEngine(SteppingEngine):
             return
         with self._state:
             self._postprocess(step, choices)
-            self._stats.steps += 1
-            self._stats.batched_sequences += len(step)
-            self._stats.max_batch_size = max(self._stats.max_batch_size, len(step))
-            seconds = time.perf_counter() - start
-            self._stats.busy_seconds += seconds
-            if all(n == 1 for _, n in step) and not 0.0 < self._stats.fastest_decode_step <= seconds:
-                self._stats.fastest_decode_step = seconds
+            self._stats.record_step(len(step), time.perf_counter() - start, all(n == 1 for _, n in step))
 
     def _forward(self, step: list[tuple[Sequence, int]]) -> list[int | torch.Tensor]:
         """Run the step; per sequence that gets a next token, in step order, the token itself

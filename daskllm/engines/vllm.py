@@ -463,11 +463,8 @@ class VLLMEngine(BatchingEngine):
                 if cache is not None:
                     s.prefill_tokens_cached += cache.hits
                     s.prefill_tokens_computed += cache.queries - cache.hits
-                if scheduler.num_running_reqs:
-                    s.steps += 1
-                    s.batched_sequences += scheduler.num_running_reqs
-                    s.max_batch_size = max(s.max_batch_size, scheduler.num_running_reqs)
-                    s.busy_seconds += seconds
+                if scheduler.num_running_reqs:  # vLLM does not say whether a step only decoded
+                    s.record_step(scheduler.num_running_reqs, seconds, decode_only=False)
             if iteration is not None:
                 s.decode_tokens += iteration.num_generation_tokens
                 s.preemptions += iteration.num_preempted_reqs
