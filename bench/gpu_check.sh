@@ -11,10 +11,13 @@
 #
 # then, there, with .gpu sent along:   OUT=<results dir> bash bench/gpu_check.sh [gpu_engine.py options]
 #
-# 1. bench/gpu_engine.py in exact mode (the default: batch-invariant kernels, CUDA graphs):
+# 1. bench/gpu_kernel_bits.py: the Triton kernels (matmul, RMSNorm, paged attention) in bf16 and
+#    fp32 at 1..512 rows, and exit status 1 if any row's bits differ from the largest batch's;
+# 2. bench/gpu_engine.py in exact mode (the default: batch-invariant kernels, CUDA graphs):
 #    every target, and exit status 1 if any greedy output changes with the batch or a cached prefix;
-# 2. the same with --no-batch-invariant (cuBLAS products), one repetition: the cost of exactness
+# 3. the same with --no-batch-invariant (cuBLAS products), one repetition: the cost of exactness
 #    (its outputs may depend on the batch; that does not fail the check).
+# The options given to this script go to gpu_engine.py.
 # Tried on CPU with:  PYTHON=.venv/bin/python OUT=/tmp/out bash bench/gpu_check.sh --quick
 set -uo pipefail
 PY=${PYTHON:-python3}
@@ -36,6 +39,8 @@ gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA de
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, triton {tv}, {gpu}")
 EOF
 status=0
+timeout "${KERNEL_LIMIT_S:-120}" "$PY" bench/gpu_kernel_bits.py --json "$OUT/kernel_bits.json" \
+  2>&1 | tee "$OUT/kernel_bits.log" || status=1
 timeout "${EXACT_LIMIT_S:-330}" "$PY" bench/gpu_engine.py --repeats 2 --json "$OUT/gpu_engine.json" "$@" \
   2>&1 | tee "$OUT/gpu_engine.log" || status=1
 timeout "${FAST_LIMIT_S:-200}" "$PY" bench/gpu_engine.py --repeats 1 --no-batch-invariant \

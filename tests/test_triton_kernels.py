@@ -3,9 +3,12 @@
 The interpreter executes each kernel program with numpy, so it checks the kernels' logic:
 indexing through block tables, masking, tiles of every shape, the online softmax, padding
 rows, and that a row's result does not depend on the rest of the step (with the same tile
-shapes whatever the row count, it cannot). The bits a GPU computes are checked on a GPU by
-``bench/gpu_engine.py`` (docs/benchmarks.md). The interpreter widens 16-bit operands to
-float32, so bfloat16 runs check the same logic, not tensor-core rounding.
+shapes whatever the row count, it cannot). ``tl.dot`` is a sum over K in index order there
+(tests/triton_interpreter.py), so those bits are the kernels' own on any host. The bits
+a GPU computes are checked on a GPU by ``bench/gpu_check.sh``: greedy tokens
+(``bench/gpu_engine.py``) and each kernel's rows (``bench/gpu_kernel_bits.py``). The
+interpreter widens 16-bit operands to float32, so bfloat16 runs check the same logic, not
+tensor-core rounding.
 """
 
 from __future__ import annotations
@@ -26,24 +29,17 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def tk():
-    """daskllm.engines.triton_kernels, imported under the interpreter."""
+    """daskllm.engines.triton_kernels, imported under the interpreter as tests/triton_interpreter.py
+    patches it: its float products summed over K in order, so on any host a row's bits are the
+    kernels' own, not the host BLAS's."""
     if os.environ["TRITON_INTERPRET"] != "1":
         pytest.skip("TRITON_INTERPRET is set to something other than 1")
-    from triton.runtime import interpreter
+    from tests.triton_interpreter import kernel_check_interpreter
 
-    # Triton 3.6's interpreter turns a loop bound into an int with int(array), which numpy >= 2.4
-    # refuses for the 1-element arrays it holds scalars in.
-    patch = interpreter._patch_lang_tensor
+    with kernel_check_interpreter():
+        from daskllm.engines import triton_kernels
 
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    from daskllm.engines import triton_kernels
-
-    yield triton_kernels
-    interpreter._patch_lang_tensor = patch
+        yield triton_kernels
 
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
