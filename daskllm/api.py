@@ -343,8 +343,10 @@ def explain(*nodes, file=None, passes=None, granularity=None, result_cache=None,
         lines.append(f"result cache: {report['cache']['hits']} calls served")
     if "prefix" in report:
         r = report["prefix"]
+        stored = (f"; {_count(r['answered_by_store'], 'prefill')} not made: the result store answers their calls"
+                  if r.get("answered_by_store") else "")
         lines.append(f"shared-prefix prefill: {r['prefills']} prefills ({r['shared']} shared, {r['partial']} partial),"
-                     f" {r['prefill_tokens_cached']} prefill tokens read from the prefix cache")
+                     f" {r['prefill_tokens_cached']} prefill tokens read from the prefix cache{stored}")
     if "stage" in report:
         r = report["stage"]
         lines.append(f"stage split: {r['nodes_split']} nodes into {r['stages']} stages, "

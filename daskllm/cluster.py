@@ -26,6 +26,7 @@ from daskllm import config
 from daskllm.adaptive import AdaptiveTarget
 from daskllm.dashboard import DashboardPlugin
 from daskllm.engines import EngineSpec
+from daskllm.ledger import UsageLedger
 from daskllm.models import DEFAULT_EMBEDDING_MODEL, resolve
 from daskllm.placement import PlacementPlugin
 from daskllm.prompts import tokenizer_for
@@ -102,6 +103,14 @@ def discover_gpus() -> list[str]:
         return []
 
 
+def scheduler_plugins(placement: str | None = None) -> list:
+    """The scheduler plugins of a daskllm cluster (LocalLLMCluster's, and the ``dask llm
+    scheduler`` preload's): placement (none with ``"off"``), stream clean-up, the dashboard's
+    LLM page, the adaptive target and the usage ledger."""
+    return ([StreamJanitor(), DashboardPlugin(), AdaptiveTarget(), UsageLedger()]
+            + ([PlacementPlugin(placement)] if placement != "off" else []))
+
+
 class LocalLLMCluster(LocalCluster):
     """A local Dask cluster with resident engines on every worker.
 
@@ -167,8 +176,7 @@ class LocalLLMCluster(LocalCluster):
         # Start with no workers, then scale: LocalCluster's own start-up bypasses
         # new_worker_spec, which is where each GPU worker gets its device.
         scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
-        scheduler_kwargs.setdefault("plugins", [StreamJanitor(), DashboardPlugin(), AdaptiveTarget()]
-                                    + ([PlacementPlugin(placement)] if placement != "off" else []))
+        scheduler_kwargs.setdefault("plugins", scheduler_plugins(placement))
         super().__init__(n_workers=0, threads_per_worker=threads_per_worker,
                          scheduler_kwargs=scheduler_kwargs, plugins={EngineHost(self.engine_specs, **defaults)},
                          **kwargs)

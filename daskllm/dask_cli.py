@@ -21,11 +21,8 @@ import dask
 from distributed.cli.dask_scheduler import main as dask_scheduler
 from distributed.cli.dask_worker import main as dask_worker
 
-from daskllm.adaptive import AdaptiveTarget
-from daskllm.cluster import DASHBOARD_ADDRESS, NO_MALLOC_TRIM
-from daskllm.dashboard import DashboardPlugin
-from daskllm.placement import POLICIES, PlacementPlugin
-from daskllm.streaming import StreamJanitor
+from daskllm.cluster import DASHBOARD_ADDRESS, NO_MALLOC_TRIM, scheduler_plugins
+from daskllm.placement import POLICIES
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 
@@ -75,10 +72,8 @@ def scheduler(placement: str | None, dask_args: tuple[str, ...]) -> None:
               help="Placement policy (default: daskllm.placement.policy in dask config).")
 def dask_setup(scheduler, policy: str | None) -> None:
     """The scheduler preload: the plugins LocalLLMCluster's scheduler runs."""
-    scheduler.add_plugin(PlacementPlugin(policy), name=PlacementPlugin.name)
-    scheduler.add_plugin(StreamJanitor(), name=StreamJanitor.name)
-    scheduler.add_plugin(DashboardPlugin(), name=DashboardPlugin.name)
-    scheduler.add_plugin(AdaptiveTarget(), name=AdaptiveTarget.name)
+    for plugin in scheduler_plugins(policy):
+        scheduler.add_plugin(plugin, name=plugin.name)
 
 
 @llm.command(context_settings=PASS_THROUGH)

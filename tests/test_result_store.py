@@ -4,10 +4,13 @@ results that never outlive their index's contents."""
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -18,6 +21,7 @@ import pandas as pd
 import pytest
 
 import daskllm
+import daskllm.dataframe
 from daskllm.engines import SamplingParams
 from daskllm.retrieval import ShardedIndex
 from daskllm.worker.store import ResultStore, StoredCompletion, decode_key, embed_key, is_stored, open_store
@@ -139,10 +143,10 @@ def table(qs: list[str], npartitions: int) -> dd.DataFrame:
     return dd.from_pandas(pd.DataFrame({"q": qs}), npartitions=npartitions)
 
 
-def naive(qs: list[str], max_tokens: int) -> list[str]:
+def naive(qs: list[str], max_tokens: int, ignore_eos: bool = False) -> list[str]:
     """The same prompts as one plain graph, with no result caching at all."""
     p = daskllm.chat([{"role": "user", "content": TEMPLATE}], q=daskllm.batch(qs))
-    return daskllm.compute(daskllm.generate(p, max_tokens=max_tokens), result_cache=False)[0]
+    return daskllm.compute(daskllm.generate(p, max_tokens=max_tokens, ignore_eos=ignore_eos), result_cache=False)[0]
 
 
 def test_a_second_run_of_a_table_job_executes_no_call(client):
@@ -154,9 +158,37 @@ def test_a_second_run_of_a_table_job_executes_no_call(client):
         b = table(qs, 3).llm.map(TEMPLATE, max_tokens=6).compute()
     assert second.executed.get("generate", 0) == 0 and second.from_cache["generate"] == 12
     assert second.operators["map"]["executed"] == 0 and second.operators["map"]["from_cache"] == 12
-    assert second.decode_tokens == 0
+    assert second.decode_tokens == 0 and second.prefill_tokens_computed == 0
+    assert second.executed.get("prefill", 0) == 0
     pd.testing.assert_frame_equal(a, b)
     assert b["llm_output"].tolist() == naive(qs, 6)  # token for token what the uncached calls give
+
+
+def test_a_rerun_computes_no_token_twenty_times_in_twenty(client):
+    """Each pair: a job on fresh rows whose prompts share a prefix long enough for a prefill
+    task (so the first run has one to skip), then the same job again: the second computes no
+    token at all, prefills included. The pairs run in one cluster, so the second run of each
+    is planned by worker processes that planned the first (a remembered plan must not bring
+    its prefills back)."""
+    template = ("Instructions: describe the following thing in a few plain words, briefly and without any "
+                "preamble. Thing: {text}")
+    for pair in range(20):
+        rows = pd.DataFrame({"text": [f"a cat {pair}", None, f"a dog {pair}", f"a cat {pair}", f"bird {pair}",
+                                      f"fish {pair}"]})
+
+        def run():
+            job = dd.from_pandas(rows, npartitions=2).llm.map(template, model="tiny", max_tokens=4, out="d",
+                                                              on_error="null")
+            with daskllm.usage() as used:
+                out = job.compute()
+            return out, used
+
+        first_out, first = run()
+        assert first.executed["prefill"] > 0 and first.decode_tokens > 0, f"pair {pair}: {first}"
+        again_out, again = run()
+        assert (again.prefill_tokens_computed, again.decode_tokens) == (0, 0), f"pair {pair}: {again}"
+        assert again.executed.get("prefill", 0) == again.executed.get("generate", 0) == 0, f"pair {pair}"
+        pd.testing.assert_frame_equal(first_out, again_out)
 
 
 def test_embeddings_come_from_the_store_on_a_second_run(client):
@@ -195,29 +227,50 @@ def test_a_run_stopped_halfway_resumes_with_what_it_had_finished(client, store_p
     assert out["llm_output"].tolist() == naive(qs, 24)
 
 
-def test_a_worker_killed_mid_job_leaves_a_store_that_answers_exactly(client, store_path):
-    """SIGKILL a worker once calls have been stored (a process dying between writes): the job
-    still finishes (Dask reruns the lost partitions, reading what was stored), every answer is
-    an uncached run's, and a rerun executes nothing."""
+def test_a_worker_killed_mid_job_leaves_exact_answers_and_counts_and_a_store_for_a_rerun(client, store_path):
+    """SIGKILL a worker once calls have been stored (a process dying between writes), under the
+    progress bar: the job still finishes (Dask reruns the lost partitions, reading what was
+    stored) with every answer an uncached run's; the bar never moves back and ends at every
+    call; usage counts every call as executed in this run, the dead worker's included, with
+    their tokens; and a rerun executes nothing."""
     qs = questions(40, "killed")
-    future = client.compute(table(qs, 4).llm.map(TEMPLATE, max_tokens=24))
     store = ResultStore(store_path, 10**9)
-    deadline = time.monotonic() + 120
-    while store.info()["entries"] < 3:
-        assert time.monotonic() < deadline, "no call finished within 120 s"
-        time.sleep(0.05)
-    # Both workers, asked of the scheduler itself (the client's cached view can lag a restart).
+    killed = {}
+
+    def kill_once_calls_are_stored():
+        deadline = time.monotonic() + 120
+        while store.info()["entries"] < 8:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        # Both workers, asked of the scheduler itself (the client's cached view can lag a restart).
+        client.wait_for_workers(2, timeout=120)
+        victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        killed["at"] = store.info()["entries"]
+
+    killer = threading.Thread(target=kill_once_calls_are_stored, daemon=True)
+    bar = io.StringIO()
+    with daskllm.usage() as u:
+        killer.start()
+        out = daskllm.dataframe.progress(table(qs, 4).llm.map(TEMPLATE, max_tokens=24, ignore_eos=True),
+                                         file=bar, interval=0.1).compute()
+    killer.join(240)
+    assert "at" in killed, "no call was stored within 120 s, or the kill never happened"
+    assert out["llm_output"].tolist() == naive(qs, 24, ignore_eos=True)
+    frames = [tuple(map(int, m)) for m in re.findall(r"(\d+)/(\d+) \[", bar.getvalue())]
+    counts, totals = [n for n, _ in frames], [t for _, t in frames]
+    assert counts == sorted(counts) and totals == sorted(totals), frames
+    assert frames[-1] == (40, 40) and "calls=40" in bar.getvalue().strip().splitlines()[-1][-200:]
+    assert u.executed["generate"] == 40 and not u.from_cache.get("generate"), u
+    assert u.operators["map"]["executed"] == 40 and u.operators["map"]["from_cache"] == 0, u
+    assert u.decode_tokens == 40 * 24, u
     client.wait_for_workers(2, timeout=120)
-    victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
-    os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-    out = future.result(timeout=240)
-    assert out["llm_output"].tolist() == naive(qs, 24)
-    client.wait_for_workers(2, timeout=120)
-    future.release()
     cold_start(client)  # the scheduler forgets the finished job, so the rerun computes it again
     with daskllm.usage() as u:
-        again = table(qs, 4).llm.map(TEMPLATE, max_tokens=24).compute()
+        again = table(qs, 4).llm.map(TEMPLATE, max_tokens=24, ignore_eos=True).compute()
     assert u.operators["map"]["executed"] == 0 and u.operators["map"]["from_cache"] == 40
+    assert u.decode_tokens == 0 and u.prefill_tokens_computed == 0
     pd.testing.assert_frame_equal(out, again)
 
 

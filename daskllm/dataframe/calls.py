@@ -7,10 +7,8 @@ import json
 import re
 import time
 import uuid
-from dataclasses import asdict
 
 import pandas as pd
-from distributed import get_worker
 from distributed.worker import thread_state
 
 from daskllm import api
@@ -34,7 +32,7 @@ from daskllm.engines import SamplingParams
 from daskllm.runtime.here import compute_nested
 from daskllm.runtime.view import take_view
 from daskllm.worker.host import host, in_worker
-from daskllm.worker.usage import DATAFRAME, USAGE_TOPIC, TaskUsage
+from daskllm.worker.usage import DATAFRAME, TaskUsage
 
 def call(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> pd.DataFrame:
     """Run ``op`` on a partition of distinct inputs: one batched daskllm call, from this task
@@ -150,10 +148,7 @@ def record(operator: str, *, children=(), **record) -> None:
     worker the record also goes to the scheduler's event log, so it outlives the worker."""
     task_key = getattr(thread_state, "key", None)
     key = f"dataframe-{operator}-{task_key if task_key is not None else uuid.uuid4().hex[:12]}"
-    usage = TaskUsage(DATAFRAME, operator=operator, children=tuple(children), **record)
-    host().usage[key] = usage
-    if task_key is not None:
-        get_worker().log_event(USAGE_TOPIC, {"key": key, "usage": asdict(usage)})
+    host().record(key, TaskUsage(DATAFRAME, operator=operator, children=tuple(children), **record))
 
 
 

@@ -15,8 +15,10 @@ It moves as the engines finish requests: their counters travel to the scheduler 
 worker heartbeat (``EngineHost.metrics``), and the bar asks the scheduler for them, never a
 worker, so a worker that dies or restarts costs the bar nothing (its last report is kept). The
 question runs in a thread of its own, one at a time: a scheduler slow to answer delays the
-numbers, never the job, and an error is skipped. At the end the bar takes the exact counts
-from the workers' usage records (rows, calls, tokens) and ends at the real count.
+numbers, never the job, and an error is skipped. Its ETA comes from the rate measured since
+the first calls finished. At the end the bar takes the exact counts from the usage records
+the scheduler keeps (rows, calls, tokens: :func:`daskllm.usage`'s, a lost worker's work
+included) and ends at the real count, never below what it showed.
 """
 
 from __future__ import annotations
@@ -30,10 +32,9 @@ from dask.base import is_dask_collection
 from distributed import default_client, futures_of
 from tqdm.auto import tqdm
 
-from daskllm.annotations import DECODE_TASK
 from daskllm.dataframe.estimate import estimate, operator_calls, operator_of
-from daskllm.worker.host import PLUGIN_NAME
-from daskllm.worker.usage import DATAFRAME
+from daskllm.ops.generate import GENERATE
+from daskllm.runtime.metering import usage_since
 
 COUNTERS = ("requests_finished", "prefill_tokens_computed", "decode_tokens")
 FINAL_WAIT = 10.0  # seconds the end of the bar waits for the workers' exact counts
@@ -55,7 +56,7 @@ def progress(collection, *, interval: float = 0.5, file=None, client=None):
     persisted = collection if futures_of(collection) else client.persist(collection)
     futures = futures_of(persisted)
     unit, total = ("call", expected) if expected else ("part", len(futures))
-    with tqdm(total=total, unit=unit, desc="ddf.llm", file=file, dynamic_ncols=True) as bar:
+    with Bar(total=total, unit=unit, desc="ddf.llm", file=file, dynamic_ncols=True) as bar:
         while True:
             states = [f.status for f in futures]
             failed = next((f for f, s in zip(futures, states) if s in ("error", "cancelled")), None)
@@ -64,16 +65,18 @@ def progress(collection, *, interval: float = 0.5, file=None, client=None):
             finished = states.count("finished")
             tally.update(engines.latest())
             if finished == len(futures):
-                done = final_counts(client, started, first) or tally.done()
+                done = final_counts(started, first) or tally.done()
                 bar.set_postfix(done, refresh=False)
                 if unit == "call":
-                    bar.total = done["calls"]  # the real count, where the preview gave a bound
+                    # The real count, where the preview gave a bound; never below what the bar showed.
+                    bar.total = max(done["calls"], bar.n)
                 bar.update(bar.total - bar.n)
                 return persisted
             live = tally.done()
             bar.set_postfix(live, refresh=False)
             count = min(live["calls"], max(total - 1, 0)) if unit == "call" else finished
             bar.update(max(0, count - bar.n))
+            bar.measured.update(bar.n, time.monotonic())
             bar.refresh()
             time.sleep(interval)  # a poll of local future states, not a synchronization
 
@@ -85,6 +88,46 @@ def expected_calls(collection) -> int:
     except Exception:  # noqa: BLE001 - a preview that fails costs the bar its total, never the job
         return 0
     return sum(o.distinct - o.cache_hits for o in preview.operators if o.output_tokens is not None)
+
+
+@dataclass(slots=True)
+class MeasuredRate:
+    """Calls per second since the first calls finished: what the job does once its engines
+    work, without the start (planning, the dedupe step, engines warming up) that comes before.
+    tqdm's own rate smooths the last few refreshes, which an engine batch finishing at once
+    (a jump) or a lost worker's calls being redone (a pause) throws far off."""
+
+    first: tuple[int, float] | None = None  # (count, time) when the count first moved
+    last: tuple[int, float] | None = None
+
+    def update(self, count: int, now: float) -> None:
+        if count <= 0:
+            return
+        if self.first is None:
+            self.first = (count, now)
+        self.last = (count, now)
+
+    def per_second(self) -> float | None:
+        if self.first is None or self.last is None or self.last[1] <= self.first[1] or self.last[0] <= self.first[0]:
+            return None
+        return (self.last[0] - self.first[0]) / (self.last[1] - self.first[1])
+
+
+class Bar(tqdm):
+    """tqdm with its rate, and so its ETA, from :class:`MeasuredRate` (tqdm's own average
+    since the start until the count has moved twice)."""
+
+    def __init__(self, *args, **kwargs):
+        self.measured = MeasuredRate()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def format_dict(self):
+        d = super().format_dict
+        rate = self.measured.per_second()
+        if rate is not None:
+            d["rate"] = rate
+        return d
 
 
 class Poll:
@@ -155,28 +198,12 @@ def engine_counters(dask_scheduler=None) -> dict:
     return out
 
 
-def final_counts(client, started: float, operator: str | None) -> dict | None:
-    """Rows the job's first operator looked up, calls executed and tokens, from the usage records
-    of the workers that answer within :data:`FINAL_WAIT` seconds; None if none does."""
-    answers = Poll(lambda: client.run(worker_counts, started, operator, on_error="ignore")).wait(FINAL_WAIT)
-    if not answers:
+def final_counts(started: float, operator: str | None) -> dict | None:
+    """Rows the job's first operator looked up, calls executed and tokens computed, from the
+    usage records the scheduler keeps (those of workers that died too), as
+    :func:`daskllm.usage` counts them; None if they do not come within :data:`FINAL_WAIT` seconds."""
+    used = Poll(lambda: usage_since(started)).wait(FINAL_WAIT)
+    if used is None:
         return None
-    total = {"rows": 0, "calls": 0, "tokens": 0}
-    for worker in answers.values():
-        for k, v in worker.items():
-            total[k] += v
-    return total
-
-
-def worker_counts(started: float, operator: str | None, dask_worker=None) -> dict:
-    rows = calls = tokens = 0
-    plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    for record in reversed(list(plugin.usage.values()) if plugin is not None else []):  # newest first
-        if record.time < started:  # before the job
-            break
-        if record.op == DATAFRAME and record.operator == operator:
-            rows += record.rows
-        elif record.op == DECODE_TASK:
-            calls += record.calls
-            tokens += record.prompt_tokens + record.decode_tokens
-    return {"rows": rows, "calls": calls, "tokens": tokens}
+    return {"rows": used.operators.get(operator, {}).get("rows", 0), "calls": used.executed.get(GENERATE.name, 0),
+            "tokens": used.prefill_tokens_computed + used.decode_tokens}

@@ -11,7 +11,7 @@ what they did in the plan's report, which :func:`daskllm.explain` prints.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +29,16 @@ class ResultLookup(Protocol):
     def get(self, key: str) -> Any: ...
 
     def __len__(self) -> int: ...
+
+
+class StoredLookup(Protocol):
+    """Which deterministic generations the persistent result store answers
+    (:data:`daskllm.worker.store.STORED`): their tasks will not run them, so no prefill is
+    needed for them. ``version`` changes with the store's contents."""
+
+    version: int
+
+    def stored(self, model: str, sampling: Any, prompts: Sequence[Sequence[int]]) -> Iterator[bool]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +86,8 @@ class PlanOptions:
     """The rewrite settings of one computation (``daskllm.rewrite.*`` and the block size).
 
     ``results`` is where the ``cache`` pass looks calls up (compared by its ``version``);
+    ``stored`` is where the ``prefix`` pass asks which calls the result store answers (its
+    ``version`` is part of the cache key only where that pass runs);
     ``submit_nested`` is the runtime's function a pmap task uses on its worker to plan and
     submit the work its items return (handed down, so the planner imports no runtime).
     """
@@ -91,13 +103,15 @@ class PlanOptions:
     release_threads: bool = True  # tasks waiting on engines secede (``daskllm.rewrite.release-threads``)
     settings: tuple = ()  # every rewrite setting, as sorted items: travels with pmaps for their nested plans
     results: ResultLookup | None = field(default=None, compare=False)
+    stored: StoredLookup | None = field(default=None, compare=False)
     submit_nested: Callable | None = field(default=None, compare=False)
 
     @property
     def cache_key(self) -> tuple:
         return (self.passes, self.granularity, self.stage_size, self.prefix_min_tokens, self.prefill_replicas,
                 self.parts_calls_per_worker, self.stream_min_seconds, self.block_size, self.release_threads,
-                self.settings, self.results.version if self.results is not None else None)
+                self.settings, self.results.version if self.results is not None else None,
+                self.stored.version if self.stored is not None and "prefix" in self.passes else None)
 
     @classmethod
     def from_settings(cls, rewrite: Mapping, block_size: int, **extra) -> PlanOptions:

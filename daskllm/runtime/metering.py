@@ -12,6 +12,7 @@ block. The virtual vs physical cost LOTUS users asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import defaultdict
@@ -21,6 +22,7 @@ from distributed import default_client
 
 from daskllm import config
 from daskllm.annotations import DECODE_TASK, PMAP_TASK, PREFILL_TASK
+from daskllm.ledger import ledger_records
 from daskllm.ops.generate import GENERATE
 from daskllm.ops.prefill import PREFILL
 from daskllm.worker.host import PLUGIN_NAME, local_host
@@ -103,26 +105,30 @@ class Usage:
                      f"engines busy: {busy or 'none'}")
         return "\n".join(lines)
 
-    def _add_records(self, records: dict[str, TaskUsage]) -> None:
+    def _add_records(self, records: dict[str, TaskUsage], since: float) -> None:
+        """Add up the records of tasks run since ``since`` (when the block started). A call a
+        task took from the result store counts as executed when the task that computed it
+        started inside the block: this run's own work, done by a try of the task whose worker died."""
         blocks: set = set()
         tails: dict = {}
         for record in records.values():
             op = record.op
+            redone = record.stored_since(since)
             if op in (DECODE_TASK, PREFILL_TASK) and record.model is not None:
                 per_model = self.models.setdefault(record.model, {"prefill_tokens_computed": 0, "decode_tokens": 0,
                                                                   "distinct_prompt_tokens": None})
-                per_model["prefill_tokens_computed"] += record.computed_tokens
-                per_model["decode_tokens"] += record.decode_tokens
+                per_model["prefill_tokens_computed"] += record.computed_tokens + redone.computed_tokens
+                per_model["decode_tokens"] += record.decode_tokens + redone.decode_tokens
             for full, tail_hash, tail_len in record.prompt_blocks:
                 blocks.update((record.model, h) for h in full)
                 if tail_len:
                     tails[(record.model, tail_hash)] = tail_len
             if op == DECODE_TASK:
-                self.executed[GENERATE.name] += record.calls
-                self.from_cache[GENERATE.name] += record.from_cache
-                self.prefill_tokens_computed += record.computed_tokens
-                self.prefill_tokens_cached += record.cached_tokens
-                self.decode_tokens += record.decode_tokens
+                self.executed[GENERATE.name] += record.calls + redone.calls
+                self.from_cache[GENERATE.name] += record.from_cache - redone.calls
+                self.prefill_tokens_computed += record.computed_tokens + redone.computed_tokens
+                self.prefill_tokens_cached += record.cached_tokens + redone.cached_tokens
+                self.decode_tokens += record.decode_tokens + redone.decode_tokens
             elif op == PREFILL_TASK:
                 self.executed[PREFILL.name] += record.calls
                 self.prefill_tokens_computed += record.computed_tokens
@@ -137,8 +143,10 @@ class Usage:
                                                                     "from_cache": 0, "failed": 0})
                 for k in ("rows", "distinct", "executed", "failed"):
                     stats[k] += getattr(record, k)
-                # Distinct inputs its nested calls took from the result store (they are not executed).
-                cached = sum(records[c].from_cache for c in record.children if c in records)
+                # Distinct inputs its nested calls took from the result store (they are not executed),
+                # less those this run computed (a task tried again after its worker died).
+                cached = sum(records[c].from_cache - records[c].stored_since(since).calls
+                             for c in record.children if c in records)
                 stats["from_cache"] += cached
                 # Operator-specific figures (a cascade's): counts add up, the rest (thresholds) is kept.
                 for k, v in record.extra.items():
@@ -167,7 +175,7 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
         records = _records(self.result.task_keys)
         # Dataframe operators run outside our lowering: their records are found by time.
         records.update(_records_since(self.started))
-        self.result._add_records(_with_children(records))
+        self.result._add_records(_with_children(records), self.started)
         self.result.wall_seconds = time.time() - self.started
         before = self.busy_before
         for (where, name), seconds in _engine_busy().items():
@@ -176,6 +184,14 @@ class usage:  # noqa: N801 - used like a function: ``with daskllm.usage() as u``
             busy = seconds - before.get((where, name), 0.0)
             e["busy_seconds"] += busy
             self.result.engine_seconds = max(self.result.engine_seconds, busy)
+
+
+def usage_since(started: float) -> Usage:
+    """What the table jobs run since ``started`` did: their operators' records and the work they
+    started, however many workers died meanwhile (what a progress bar ends on)."""
+    used = Usage()
+    used._add_records(_with_children(_records_since(started)), started)
+    return used
 
 
 def _engine_busy() -> dict[tuple[str, str], float]:
@@ -198,19 +214,28 @@ def _worker_engine_busy(dask_worker=None) -> dict[str, float]:
     return _host_busy(plugin) if plugin is not None else {}
 
 
-def _records_since(started: float) -> dict[str, TaskUsage]:
-    """The dataframe records made since ``started``: in this process, and by tasks on workers,
-    read from the scheduler's event log (a lost worker's records are there too). A task that
-    ran more than once is counted once: its newest record."""
-    found = {k: v for k, v in list(local_host().usage.items()) if v.op == DATAFRAME and v.time >= started}
+def _records_since(started: float, op: str = DATAFRAME) -> dict[str, TaskUsage]:
+    """The records of ``op`` (dataframe operators) made since ``started``: in this process,
+    and by tasks on workers, from the scheduler (a lost worker's records are there too)."""
+    found = {k: v for k, v in list(local_host().usage.items()) if v.op == op and v.time >= started}
     try:
         client = default_client()
     except ValueError:
         return found
-    for _, event in client.get_events(USAGE_TOPIC):
-        record = TaskUsage(**{**event["usage"], "children": tuple(event["usage"]["children"])})
-        if record.time >= started and (event["key"] not in found or record.time >= found[event["key"]].time):
-            found[event["key"]] = record
+    kept = client.run_on_scheduler(ledger_records, since=started, op=op)
+    if kept is None:  # a scheduler without daskllm's plugins: Dask's event log (its last 1,000 events)
+        kept = {e["key"]: e["usage"] for _, e in client.get_events(USAGE_TOPIC)
+                if e["usage"]["op"] == op and e["usage"]["time"] >= started}
+    return _newest(found, kept)
+
+
+def _newest(found: dict[str, TaskUsage], kept: dict[str, dict]) -> dict[str, TaskUsage]:
+    """``found`` with ``kept``'s records (as they travelled) added: a key run more than once (the
+    same work computed again, placed elsewhere) counts its newest record."""
+    for key, usage in kept.items():
+        record = TaskUsage.from_event(usage)
+        if key not in found or record.time >= found[key].time:
+            found[key] = record
     return found
 
 
@@ -247,22 +272,25 @@ def note_lowering(lowered) -> None:
 
 
 def _records(keys: set) -> dict[str, TaskUsage]:
+    """The records of the tasks ``keys``: in this process, and from the scheduler, which keeps
+    every worker's (a scheduler without daskllm's plugins: from the workers still there)."""
     found = {k: v for k, v in local_host().usage.items() if k in keys}
     try:
         client = default_client()
     except ValueError:
         return found
-    for records in client.run(_worker_records, keys=list(keys)).values():
-        for key, record in records.items():
-            # One key may have run on several workers over time (the same work computed
-            # again, placed elsewhere): the newest record is this computation's.
-            if key not in found or record.time >= found[key].time:
-                found[key] = record
-    return found
+    kept = client.run_on_scheduler(ledger_records, keys=list(keys))
+    if kept is None:
+        kept = {}
+        for records in client.run(_worker_records, keys=list(keys)).values():
+            for key, usage in records.items():
+                if key not in kept or usage["time"] >= kept[key]["time"]:
+                    kept[key] = usage
+    return _newest(found, kept)
 
 
 def _worker_records(keys, dask_worker=None) -> dict:
     plugin = dask_worker.plugins.get(PLUGIN_NAME) if dask_worker is not None else None
     if plugin is None:
         return {}
-    return {k: plugin.usage[k] for k in keys if k in plugin.usage}
+    return {k: dataclasses.asdict(plugin.usage[k]) for k in keys if k in plugin.usage}

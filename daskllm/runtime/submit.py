@@ -28,6 +28,7 @@ from daskllm.runtime.metering import note_lowering, note_planning
 from daskllm.runtime.view import check_served, take_view
 from daskllm.streaming.stages import Submitted
 from daskllm.worker.results import RESULTS
+from daskllm.worker.store import STORED
 
 OVERRIDE_KEYS = {"passes": "rewrite.passes", "granularity": "rewrite.granularity",
                  "result_cache": "rewrite.result-cache", "release_threads": "rewrite.release-threads"}
@@ -43,8 +44,11 @@ def overrides(kwargs: dict):
 
 def current_options() -> PlanOptions:
     """The rewrite settings in effect here (dask config, and any override)."""
-    return PlanOptions.from_settings(dict(config.get("rewrite")), config.get("engine.block-size"),
-                                     results=RESULTS, submit_nested=submit_nested)
+    rewrite = dict(config.get("rewrite"))
+    # result_cache=False: its calls skip the store, so what the store holds must not shape the plan.
+    stored = STORED if rewrite.get("result-cache", True) else None
+    return PlanOptions.from_settings(rewrite, config.get("engine.block-size"), results=RESULTS, stored=stored,
+                                     submit_nested=submit_nested)
 
 
 _cache_lock = threading.Lock()

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import queue as queue_mod
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -138,7 +139,7 @@ def _lookup_decodes(store: ResultStore | None, engine, prompts: list, sampling: 
         return [None] * len(prompts), [None] * len(prompts)
 
 
-def _store_when_done(store: ResultStore, key: str | None, future) -> None:
+def _store_when_done(store: ResultStore, key: str | None, future, task_started: float) -> None:
     """Write a call's result the moment it finishes, so a run killed later keeps it."""
     if key is None:
         return
@@ -148,13 +149,27 @@ def _store_when_done(store: ResultStore, key: str | None, future) -> None:
             return
         c = f.result()
         _put(store, key, StoredCompletion(c.text, tuple(c.token_ids), c.finish_reason, c.logprobs,
-                                          c.top_logprobs))
+                                          c.top_logprobs, c.num_prompt_tokens, c.num_cached_tokens, task_started))
 
     future.add_done_callback(put)
 
 
+def _stored_work(stored: list) -> tuple[tuple[float, int, int, int, int], ...]:
+    """The calls found in the store, grouped by when the task that computed them started
+    (:attr:`TaskUsage.from_store`): a few groups, however many calls."""
+    groups: dict[float, list[int]] = {}
+    for s in stored:
+        if s is not None:
+            g = groups.setdefault(s.task_started, [0, 0, 0, 0])
+            g[0] += 1
+            g[1] += s.prompt_tokens
+            g[2] += s.cached_tokens
+            g[3] += len(s.token_ids)
+    return tuple((started, *g) for started, g in sorted(groups.items()))
+
+
 def _record(task_key: str, op: str, **counters) -> None:
-    host().usage[task_key] = TaskUsage(op, **counters)
+    host().record(task_key, TaskUsage(op, **counters))
 
 
 def _record_decode(task_key: str, model: str, completions, **extra) -> None:
@@ -179,6 +194,7 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Ori
                *deps) -> list[str | None]:
     """Generate for a shard of prompts together: they join the engine's batch in one step. A
     prompt that cannot run fails alone, as ``origins`` says."""
+    started = time.time()
     engine = get_engine(model)
     prompts = attempt(lambda call: _tokens(call, deps, engine), items)
     runnable = ok(prompts)
@@ -188,9 +204,10 @@ def run_decode(task_key: str, model: str, sampling: SamplingParams, origins: Ori
     futures = engine.submit_many([runnable[j] for j in todo], sampling, priority=task_priority(task_key)) if todo else []
     if store is not None:
         for j, f in zip(todo, futures):
-            _store_when_done(store, keys[j], f)
+            _store_when_done(store, keys[j], f, started)
     completions = raise_others(wait_requests(task_key, futures, return_exceptions=True) if todo else [])
-    _record_decode(task_key, model, ok(completions), from_cache=len(runnable) - len(todo))
+    _record_decode(task_key, model, ok(completions), from_cache=len(runnable) - len(todo),
+                   from_store=_stored_work(stored))
     values = [value(s, sampling) if s is not None else None for s in stored]
     for j, c in zip(todo, completions):
         values[j] = c if failed(c) else value(c, sampling)

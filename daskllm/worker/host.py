@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import logging
 import os
@@ -35,7 +36,7 @@ from daskllm.engines import KINDS, Engine, EngineSpec
 from daskllm.engines.protocol import gather_requests
 from daskllm.models import is_cross_encoder, model_name, resolve
 from daskllm.prompts import import_transformers
-from daskllm.worker.usage import UsageLog
+from daskllm.worker.usage import USAGE_TOPIC, TaskUsage, UsageLog
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class EngineHost(WorkerPlugin):
         self.engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
         self.indexes: dict[str, dict[int, object]] = {}  # index name -> shard number -> VectorIndex
         self.usage = UsageLog()
+        self.worker = None  # the worker this plugin runs in (set up); None in a LocalHost
         self._loaded = threading.Event()  # set when the load finished, or failed
         self._load_error: BaseException | None = None
         self._closed = False
@@ -93,6 +95,7 @@ class EngineHost(WorkerPlugin):
                 self._load_error = _load_error(spec, exc)
                 self._loaded.set()
                 raise self._load_error from exc
+        self.worker = worker
         worker.metrics["daskllm"] = self.metrics
         import_transformers()  # before engine loading and tasks use it from other threads
         if worker.status == Status.running:
@@ -124,6 +127,17 @@ class EngineHost(WorkerPlugin):
         except Exception as exc:  # noqa: BLE001 - logged, and the worker leaves: it must not serve without engines
             logger.error("daskllm: %s; worker %s leaves the cluster", exc, worker.address)
             await worker.close(reason=f"daskllm engines failed to load: {exc}", nanny=True)
+
+    def record(self, key: str, usage: TaskUsage) -> None:
+        """Keep a task's usage record under its key and, on a worker, send it to the scheduler
+        (:class:`daskllm.ledger.UsageLedger` keeps it there): it outlives this worker. A task
+        run again replaces its record."""
+        self.usage[key] = usage
+        if self.worker is not None:
+            try:  # thread-safe: Worker.log_event hands the message to its event loop
+                self.worker.log_event(USAGE_TOPIC, {"key": key, "usage": dataclasses.asdict(usage)})
+            except Exception as exc:  # noqa: BLE001 - a record that cannot travel costs the count, never the task
+                logger.warning("usage record %s not sent to the scheduler: %s", key, exc)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until the engines are loaded; raise the load's error if it failed."""

@@ -26,6 +26,8 @@ API (client and worker alike):
 - :func:`decode_key` / :func:`embed_key`, and ``store.get(key)`` / ``store.put(key, value)``
 - :func:`is_stored` (model, prompt token ids, sampling) -> bool, without loading the value:
   what a cost preview asks
+- :data:`STORED`: what the planner asks (``PlanOptions.stored``): which calls the store answers,
+  so that a plan prefills no prefix for calls that will not run
 - ``store.info()`` / ``store.clear()``: what ``daskllm cache info`` / ``clear`` print and do
 """
 
@@ -34,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import diskcache
@@ -47,10 +50,12 @@ from daskllm import config
 from daskllm.engines import SamplingParams
 from daskllm.models import cache_dir, resolve
 
+logger = logging.getLogger(__name__)
+
 _MODEL_DIGESTS = "model-digest"  # entries remembering a model directory's digest, not results
 _NUMERICS = "numerics"  # per model digest: the engines' numerics (backend, dtype, device) that stored results
 _META = (_MODEL_DIGESTS, _NUMERICS)
-_FORMAT = 1  # bump when a stored value's layout changes: old entries are then never read
+_FORMAT = 2  # bump when a stored value's layout changes: old entries are then never read
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,11 @@ class StoredCompletion:
     # Per token, when the sampling params asked for them: its logprob, the likeliest tokens'.
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # What computing it cost, and when the task that computed it started: a later task of the
+    # same run (its worker died) reads it from here, and the run still counts it as executed.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    task_started: float = 0.0
 
 
 def default_path() -> pathlib.Path:
@@ -94,6 +104,10 @@ class ResultStore:
 
     def put(self, key: str, value) -> None:
         self._cache.set(key, value)
+
+    def __len__(self) -> int:
+        """Entries (results and bookkeeping): changes whenever a result is written or removed."""
+        return len(self._cache)
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is stored, without reading its value."""
@@ -221,7 +235,53 @@ def are_stored(model: str, prompts: Sequence[Sequence[int]], sampling: SamplingP
     store = store if store is not None else open_store()
     if store is None:
         return [False] * len(prompts)
+    return list(_stored(store, model, prompts, sampling))
+
+
+def _stored(store: ResultStore, model: str, prompts: Iterable[Sequence[int]], sampling: SamplingParams) -> Iterator[bool]:
+    """Lazily, per prompt: whether any engine identity of ``model`` has its result stored."""
     identities = store.identities(resolve(model))
-    return [any(key is not None and store.contains(key)
-                for key in (decode_key(identity, ids, sampling) for identity in identities))
-            for ids in prompts]
+    for ids in prompts:
+        yield any(key is not None and store.contains(key)
+                  for key in (decode_key(identity, ids, sampling) for identity in identities))
+
+
+class StoredCalls:
+    """The planner's view of this machine's store (:class:`daskllm.plan.context.StoredLookup`).
+
+    ``version`` changes as results are written or removed (the store's entry count), so a plan
+    made before a run's results were stored is not reused after. Lookups never raise: a
+    broken or missing store, or a model this process cannot resolve, answers "not stored"
+    (the cache is never a correctness dependency: the plan then only prefills more)."""
+
+    @property
+    def version(self) -> int:
+        try:
+            store = open_store()
+            return -1 if store is None else len(store)
+        except Exception:  # noqa: BLE001
+            return -1
+
+    def stored(self, model: str, sampling: SamplingParams, prompts: Sequence[Sequence[int]]) -> Iterator[bool]:
+        """Lazily (the planner stops at the first call it must run), per prompt: stored or not."""
+        answers = self._answers(model, sampling, prompts)
+        for _ in prompts:
+            yield next(answers, False)
+
+    def _answers(self, model: str, sampling: SamplingParams, prompts: Sequence[Sequence[int]]) -> Iterator[bool]:
+        try:
+            store = open_store()
+            if store is not None and sampling.deterministic:
+                yield from _stored(store, model, prompts, sampling)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("result store lookup for planning failed: %s", exc)
+
+    def __reduce__(self):  # one per process: a plan's options travel without it
+        return (_stored_calls, ())
+
+
+def _stored_calls() -> StoredCalls:
+    return STORED
+
+
+STORED = StoredCalls()

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 
 DATAFRAME = "dataframe"  # the op of a ddf.llm operator's records (not a task type)
-# The scheduler's event topic of the dataframe records (Dask's event log outlives a lost worker).
-USAGE_TOPIC = "daskllm-dataframe-usage"
+# The scheduler's event topic of every record: the scheduler keeps them (daskllm.ledger), so a
+# record outlives the worker that made it.
+USAGE_TOPIC = "daskllm-usage"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,10 @@ class TaskUsage:
     streamed: bool = False  # a decode that sent its items to consumers as they were cut
     pairs: int = 0  # rerank: (query, document) pairs scored
     from_cache: int = 0  # calls answered from the persistent result store (not in ``calls``: not executed)
+    # Those calls by the start time of the task that computed them: (started, calls, prompt tokens,
+    # of which cached, decode tokens). One whose task started inside a usage block was computed
+    # by that run (by a worker that died before its own record reached the scheduler).
+    from_store: tuple[tuple[float, int, int, int, int], ...] = ()
     # pmap and dataframe operators: the work they started.
     requested: dict[str, int] = field(default_factory=dict)
     children: tuple[str, ...] = ()
@@ -52,6 +57,31 @@ class TaskUsage:
     @property
     def computed_tokens(self) -> int:
         """Prompt tokens the engine computed (not served from its cache)."""
+        return self.prompt_tokens - self.cached_tokens
+
+    def stored_since(self, since: float) -> StoredWork:
+        """The calls it took from the result store that a task started at or after ``since``
+        computed (this run's own work, done by an earlier try of this task), and their tokens."""
+        groups = [g for g in self.from_store if g[0] >= since]
+        return StoredWork(*(sum(g[i] for g in groups) for i in range(1, 5)))
+
+    @classmethod
+    def from_event(cls, usage: dict) -> TaskUsage:
+        """A record as it travelled in a scheduler event (msgpack turned its tuples into lists)."""
+        return cls(**{**usage, "children": tuple(usage.get("children", ())),
+                      "prompt_blocks": tuple(tuple(b) for b in usage.get("prompt_blocks", ())),
+                      "from_store": tuple(tuple(g) for g in usage.get("from_store", ()))})
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWork:
+    calls: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
 
 

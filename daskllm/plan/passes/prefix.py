@@ -7,7 +7,8 @@ decodes depend on it, so they find it in the engine's cache. A call whose prompt
 waits for upstream outputs (retrieval, another generation) gets everything it already
 knows prefilled early, in parallel with that upstream work: only a true prefix, since
 attention is causal. Shared parts of those prefixes are computed once by the engine's
-prefix cache.
+prefix cache. A prefill whose calls are all answered by the persistent result store
+(``PlanOptions.stored``) is not made: nothing would read what it computes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import networkx as nx
 
 from daskllm.ops import generate as generate_op
 from daskllm.ops import prefill as prefill_op
-from daskllm.plan.context import decide, decision, state
+from daskllm.plan.context import StoredLookup, decide, decision, state
 from daskllm.plan.ir import Node
 from daskllm.plan.items import items
 
@@ -62,6 +63,16 @@ def _blocks(tokens: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
     return [tokens[i:i + size] for i in range(0, len(tokens) - size + 1, size)]
 
 
+def _all_stored(graph: nx.DiGraph, stored: StoredLookup | None, model: str,
+                served: list[tuple[Node, list[int], bool, int]]) -> bool:
+    """Whether the result store answers every call a prefill serves (asked lazily: a first run
+    stops at its first call). A call still waiting for upstream output cannot be looked up."""
+    if stored is None or not all(static for _, _, static, _ in served):
+        return False
+    return all(all(stored.stored(model, node.params["sampling"], [items(graph, node)[i].known for i in members]))
+               for node, members, _, _ in served)
+
+
 class SharedPrefixPrefill:
     name = "prefix"
 
@@ -89,8 +100,8 @@ class SharedPrefixPrefill:
             for (prefix, static), members in groups.items():
                 by_prefix.setdefault(prefix, []).append((node, members, static))
         prefills: dict[tuple[str, tuple[int, ...]], Node] = {}
-        assigned: dict[Node, list] = {}  # generate node -> per call, the prefill it waits for
-        shared = partial = served = 0
+        # prefill -> the calls it serves: (generate node, their indexes, fully known?, tokens each reads from it)
+        serves: dict[tuple[str, tuple[int, ...]], list[tuple[Node, list[int], bool, int]]] = {}
         for model, by_prefix in calls.items():
             trie = _Trie()
             blocks_of = {prefix: _blocks(prefix, block) for prefix in by_prefix}
@@ -109,25 +120,33 @@ class SharedPrefixPrefill:
                     else:
                         continue
                     key = (model, tokens)
-                    # What each decode then reads from the cache (what usage reports as prefill
-                    # tokens cached): the prefix, less the last prompt token that a generation
-                    # always computes; the prefill's own tokens are computed, not read.
-                    served += len(members) * (min(len(tokens), len(prefix) - 1) if static else len(tokens))
                     if key not in prefills:
                         # A partial prefill serves one call: lowering batches those of a decode
                         # shard into one task, placed with the shard.
                         prefills[key] = prefill_op.shared(model, tokens, partial=kind == "partial")
-                        graph.add_node(prefills[key])
-                        shared += kind == "shared"
-                        partial += kind == "partial"
-                    pre = prefills[key]
-                    if node not in assigned:
-                        assigned[node] = [None] * node.n
-                    for i in members:
-                        assigned[node][i] = pre
-                    graph.add_edge(pre, node)
+                    # What each decode then reads from the cache (what usage reports as prefill
+                    # tokens cached): the prefix, less the last prompt token that a generation
+                    # always computes; the prefill's own tokens are computed, not read.
+                    reads = min(len(tokens), len(prefix) - 1) if static else len(tokens)
+                    serves.setdefault(key, []).append((node, members, static, reads))
+        # A prefill whose calls the result store answers all would warm a cache nothing reads:
+        # their decode tasks take the stored results and run nothing (a rerun computes nothing).
+        answered = [key for key, served in serves.items() if _all_stored(graph, plan.options.stored, key[0], served)]
+        for key in answered:
+            del prefills[key], serves[key]
+        assigned: dict[Node, list] = {}  # generate node -> per call, the prefill it waits for
+        for key, pre in prefills.items():
+            graph.add_node(pre)
+            for node, members, _, _ in serves[key]:
+                pres = assigned.setdefault(node, [None] * node.n)
+                for i in members:
+                    pres[i] = pre
+                graph.add_edge(pre, node)
         for node, pres in assigned.items():
             decide(graph, node, prefills=tuple(pres))
-        plan.report["prefix"] = {"prefills": len(prefills), "shared": shared, "partial": partial,
-                                 "prefill_tokens_cached": served}
+        partial = sum(prefill_op.is_partial(pre) for pre in prefills.values())
+        plan.report["prefix"] = {"prefills": len(prefills), "shared": len(prefills) - partial, "partial": partial,
+                                 "prefill_tokens_cached": sum(len(members) * reads for served in serves.values()
+                                                              for _, members, _, reads in served),
+                                 "answered_by_store": len(answered)}
         return graph
