@@ -242,6 +242,25 @@ def test_the_bars_tally_keeps_a_lost_workers_counts_and_counts_a_new_one_from_ze
     assert failing.wait(10) is None  # an error is no answer, never raised
 
 
+def test_the_bars_rate_is_measured_from_the_first_calls_that_finished():
+    from daskllm.dataframe.progress import Bar, MeasuredRate
+
+    rate = MeasuredRate()
+    rate.update(0, 10.0)  # start-up: nothing finished yet, nothing measured
+    rate.update(32, 20.0)  # a first batch: one point, no rate yet
+    assert rate.per_second() is None
+    rate.update(32, 25.0)
+    rate.update(96, 36.0)  # 64 calls in 16 s since the first ones
+    assert rate.per_second() == 4.0
+    out = io.StringIO()
+    with Bar(total=200, unit="call", file=out, mininterval=0) as bar:
+        bar.update(96)
+        bar.measured = rate
+        bar.refresh()
+        assert bar.format_dict["rate"] == 4.0
+    assert "4.00call/s" in out.getvalue() and "00:26" in out.getvalue()  # 104 calls left at 4 a second
+
+
 # --- explain on graphs ---------------------------------------------------------------------------
 
 SYSTEM = "You are a careful assistant for Python programmers. Answer with short, correct code. "

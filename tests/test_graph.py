@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import shutil
 
 import dask
@@ -169,6 +171,47 @@ def test_partial_prefill_runs_beside_the_retrieval_it_waits_for(client, stdlib_c
         assert optimized == daskllm.compute(answer, **NAIVE)[0]
     finally:
         index.drop()
+
+
+class FakeStore:
+    """A result store's answers for the planner (a ``StoredLookup``): the prompts it holds,
+    and how many it was asked about. Each has a version of its own (plans are remembered by it)."""
+
+    versions = itertools.count(1)
+
+    def __init__(self, held=()):
+        self.held, self.asked, self.version = set(held), 0, next(self.versions)
+
+    def stored(self, model, sampling, prompts):
+        for ids in prompts:
+            self.asked += 1
+            yield tuple(ids) in self.held
+
+
+def test_no_prefill_is_made_for_calls_the_result_store_answers():
+    from daskllm.plan.context import LOCAL
+    from daskllm.plan.items import items
+    from daskllm.plan.planner import build
+    from daskllm.runtime.submit import current_options, plan
+
+    questions = [f"How do I do thing {i}?" for i in range(6)]
+    node = daskllm.generate(daskllm.prompt(SYSTEM_A + "Q: {q}\nA:", q=questions), max_tokens=4)
+    prompts = [item.known for item in items(build([node], current_options(), LOCAL), node)]
+    options = current_options()
+    with dask.config.set({"daskllm.rewrite.parts-calls-per-worker": 0}):  # staged tasks: the prefix pass runs
+        empty = FakeStore()
+        report = plan([node], dataclasses.replace(options, stored=empty), LOCAL).report["prefix"]
+        assert (report["shared"], report["answered_by_store"]) == (1, 0)
+        assert empty.asked == 1  # a first run: it stops at the first call it must run
+        all_stored = FakeStore(prompts)
+        lowered_all = plan([node], dataclasses.replace(options, stored=all_stored), LOCAL)
+        assert (lowered_all.report["prefix"]["prefills"], lowered_all.report["prefix"]["answered_by_store"]) == (0, 1)
+        assert "prefill" not in lowered_all.report["tasks"] and all_stored.asked == len(questions)
+        one_left = FakeStore(prompts[1:])  # one call must still run: its prefill stays
+        assert plan([node], dataclasses.replace(options, stored=one_left), LOCAL).report["prefix"]["shared"] == 1
+        # The store's version is part of the plan-cache key: once it changes, the plan is made again.
+        empty.held, empty.version = set(prompts), next(FakeStore.versions)
+        assert plan([node], dataclasses.replace(options, stored=empty), LOCAL).report["prefix"]["prefills"] == 0
 
 
 def test_granularity_bounds_task_counts():

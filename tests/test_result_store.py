@@ -4,7 +4,9 @@ results that never outlive their index's contents."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import os
 import re
 import signal
@@ -107,6 +109,31 @@ def test_daskllm_cache_info_and_clear_through_the_cli(tmp_path):
     assert "entries: 3" in info and "limit: 4,000,000,000 bytes" in info and "size on disk:" in info
     assert "3 entries removed" in cli("clear")
     assert "entries: 0" in cli("info")
+
+
+def test_a_retried_tasks_store_hits_count_as_this_runs_when_their_task_started_inside_it():
+    from daskllm.ledger import UsageLedger
+    from daskllm.worker.usage import USAGE_TOPIC, TaskUsage
+
+    # Three stored calls a dead try of this task computed (its task started at 100), two an
+    # earlier run did (started at 50): a usage block from 90 counts three as its own.
+    record = TaskUsage("decode", time=120.0, calls=1, from_cache=5,
+                       from_store=((50.0, 2, 40, 30, 8), (100.0, 3, 60, 0, 12)))
+    assert record.stored_since(90.0).calls == 3 and record.stored_since(90.0).computed_tokens == 60
+    assert record.stored_since(90.0).decode_tokens == 12 and record.stored_since(40.0).calls == 5
+    assert record.stored_since(101.0).calls == 0
+    travelled = dataclasses.asdict(record)
+    assert TaskUsage.from_event(json.loads(json.dumps(travelled))) == record  # lists back to tuples
+    ledger = UsageLedger(limit=2)
+    ledger.log_event(USAGE_TOPIC, {"key": "decode-a", "usage": travelled})
+    ledger.log_event(USAGE_TOPIC, {"key": "decode-a", "usage": {**travelled, "time": 110.0}})  # an older try: kept out
+    ledger.log_event(USAGE_TOPIC, {"key": "bad"})  # malformed: ignored, never raised
+    ledger.log_event("other-topic", {"key": "x", "usage": travelled})
+    assert ledger.find(["decode-a", "x"]) == {"decode-a": travelled}
+    for key in ("b", "c"):
+        ledger.log_event(USAGE_TOPIC, {"key": key, "usage": {**travelled, "op": "dataframe", "time": 130.0}})
+    assert set(ledger.records) == {"b", "c"}  # bounded: the oldest go first
+    assert set(ledger.find(since=125.0, op="dataframe")) == {"b", "c"} and ledger.find(since=131.0) == {}
 
 
 # --- on a cluster --------------------------------------------------------------------------------------
