@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class UsageLedger(SchedulerPlugin):
     name = "daskllm-usage-ledger"
 
-    def __init__(self, limit: int = 200_000):
+    def __init__(self, limit: int = 50_000):  # about 1 KB each
         self.records = UsageLog(limit)  # task key -> the record as it travelled (a dict)
 
     def log_event(self, topic: str, msg) -> None:
