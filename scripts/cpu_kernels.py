@@ -1,0 +1,72 @@
+"""Which vector kernels torch, MKL and numpy use in this environment, on this CPU.
+
+    python scripts/cpu_kernels.py              # print them
+    python scripts/cpu_kernels.py --baseline   # also exit 1 unless torch's and numpy's are the
+                                               # x86-64 baseline ones (make test-fast-baseline-cpu)
+
+* torch: the capability of its ATen kernels (``ATEN_CPU_CAPABILITY=default``: no AVX).
+* MKL, torch's BLAS: its numerical-reproducibility branch as ``MKL_VERBOSE`` reports it on a
+  product (``OFF``: the kernels MKL picks for the CPU; ``MKL_CBWR`` sets another).
+* numpy: the SIMD targets it dispatches to beyond its x86-64-v2 baseline
+  (``NPY_DISABLE_CPU_FEATURES`` removes them).
+* numpy's BLAS (OpenBLAS): the kernels it picked for the CPU, or by ``OPENBLAS_CORETYPE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+
+def mkl_branch() -> str:
+    """MKL's CNR branch for a product in a fresh process (MKL_VERBOSE writes to its stdout)."""
+    probe = "import torch; torch.ones(2, 2) @ torch.ones(2, 2)"
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "MKL_VERBOSE": "1"},
+                          capture_output=True, text=True, check=True, timeout=120)
+    found = re.search(r"CNR:(\w+)", done.stdout)
+    return found.group(1) if found else "no MKL"
+
+
+def numpy_blas() -> str:
+    """numpy's BLAS and the kernels it picked (threadpoolctl reads them from OpenBLAS)."""
+    import numpy as np
+
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (no threadpoolctl)"
+    np.ones((2, 2)) @ np.ones((2, 2))  # loads it
+    libraries = [f"{x['internal_api']} {x.get('version')}, {x.get('architecture') or '?'} kernels"
+                 for x in threadpool_info() if x["user_api"] == "blas"]
+    return f"{'; '.join(libraries) or 'none'} (OPENBLAS_CORETYPE {os.environ.get('OPENBLAS_CORETYPE', 'unset')})"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", action="store_true",
+                   help="exit 1 unless torch's ATen kernels and numpy's loops are the baseline ones (no AVX)")
+    args = p.parse_args(argv)
+    import numpy as np
+    import torch
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    numpy_simd = [t for t in __cpu_dispatch__ if __cpu_features__.get(t)]
+    found = {"torch (ATen)": torch.backends.cpu.get_cpu_capability(), "MKL branch": mkl_branch(),
+             "numpy SIMD past its baseline": ", ".join(numpy_simd) or "none",
+             "numpy's BLAS": numpy_blas()}
+    for what, value in found.items():
+        print(f"{what}: {value}")
+    if not args.baseline:
+        return 0
+    wrong = [what for what, ok in (("torch (ATen)", found["torch (ATen)"] == "DEFAULT"),
+                                   ("numpy SIMD past its baseline", not numpy_simd)) if not ok]
+    if wrong:
+        print(f"not the baseline kernels: {', '.join(wrong)} (see the Makefile's test-fast-baseline-cpu)",
+              file=sys.stderr)
+    return 1 if wrong else 0
+
+if __name__ == "__main__":
+    sys.exit(main())
