@@ -8,9 +8,13 @@ Two ways to get a matrix product whose every row has the same bits whatever the 
   row costs a matrix-vector product's time instead of a padded 4-row GEMM's (about 3x less
   on the machines measured), and 32 rows run faster than MKL's GEMM too.
 * :func:`linear` (the fallback, and the BERT engine): the CPU GEMM kernels give every row
-  the same bits for any row count that is a multiple of ``ROW_MULTIPLE``; for 1-3 rows
-  (and, with several threads, other counts that are not multiples of 4) they switch to
-  kernels that round differently. Padding the row count is all it takes.
+  the same bits for any row count that is a multiple of ``ROW_MULTIPLE``; below it (and,
+  with several threads, at other counts that are not multiples of it) they switch to
+  kernels that round differently. Padding the row count is all it takes. MKL's default
+  kernels on AVX2 switch below 4 rows; its compatible code path (``MKL_CBWR=COMPATIBLE``,
+  what it runs on CPUs it has no tuned kernels for) below 8, so rows are padded to 8.
+  One case is left to MKL: with several threads, that path gives small products
+  (K=96, N=40) other bits at other row counts.
 
 ``tests/test_batch_invariance.py`` checks both properties on the machine it runs on.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 4
+ROW_MULTIPLE = 8
 
 
 def pad_rows(n: int) -> int:
