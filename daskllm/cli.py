@@ -15,6 +15,7 @@ from daskllm.cluster import DASHBOARD_ADDRESS
 from daskllm.datasets import catalog, load
 from daskllm.models import cache_dir, list_recipes, resolve
 from daskllm.serve import serve_command
+from daskllm.worker import calibrations
 from daskllm.worker.store import open_store
 
 
@@ -96,7 +97,8 @@ def models_build(names):
 
 @main.group()
 def cache():
-    """The persistent result store (daskllm.result-store): results of deterministic calls on disk."""
+    """The persistent result store (daskllm.result-store): results of deterministic calls on disk;
+    and the calibrations the workers remember (daskllm.calibrations)."""
 
 
 @cache.command("info")
@@ -108,11 +110,19 @@ def cache_info():
     click.echo(f"entries: {info['entries']}")
     click.echo(f"size on disk: {info['size_bytes']:,} bytes")
     click.echo(f"limit: {info['size_limit']:,} bytes")
+    click.echo(f"calibrations remembered: {calibrations.count()} in {calibrations.calibrations_path()}")
 
 
 @cache.command("clear")
-def cache_clear():
+@click.option("--calibrations", "forget_calibrations", is_flag=True,
+              help="Forget the remembered calibrations instead (a new cluster then previews no time until "
+                   "daskllm.dataframe.calibrate() runs).")
+def cache_clear(forget_calibrations):
     """Remove every stored result."""
+    if forget_calibrations:
+        forgotten = calibrations.forget_all()
+        click.echo(f"cleared {calibrations.calibrations_path()}: {forgotten} calibrations forgotten")
+        return
     store = open_store(enabled=True)
     entries = store.info()["entries"]
     store.clear()

@@ -113,6 +113,17 @@ def result_store_off(tmp_path_factory) -> Iterator[None]:
             yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibrations_apart(tmp_path_factory) -> Iterator[None]:
+    """Calibrations the session's workers remember go to a directory of the session's own: a
+    preview never finds one remembered by another run (the variable reaches worker processes)."""
+    path = str(tmp_path_factory.mktemp("daskllm-calibrations"))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("DASK_DASKLLM__CALIBRATIONS__PATH", path)
+        with dask.config.set({"daskllm.calibrations.path": path}):
+            yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_model_dir(daskllm_cache) -> pathlib.Path:
     """The real model, SmolLM2-135M-Instruct, converted once into the shared cache."""

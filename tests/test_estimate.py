@@ -4,11 +4,15 @@ against what the run then really does, on a multi-process cluster with the tiny 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
+import json
 import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 
 import dask
@@ -112,6 +116,9 @@ def test_a_column_that_is_never_read_is_not_counted(client):
 
 
 def test_explain_on_a_dataframe_prints_the_preview(client, capsys):
+    from daskllm.worker.calibrations import forget_all
+
+    forget_all()  # nothing remembered from an earlier cluster of the session: no time to show
     job = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4, out="a")
     preview = daskllm.explain(job)
     assert isinstance(preview, TableEstimate)
@@ -127,8 +134,55 @@ def test_after_calibration_the_preview_has_a_time(client):
     costs = daskllm.dataframe.calibrate()
     assert costs["tiny"]["prefill_s_per_token"] > 0 and costs["tiny"]["engines"] == 2
     assert costs["tiny"]["operator_overhead_s"] >= 0 and costs["tiny"]["call_overhead_s"] >= 0
+    assert "remembered" not in costs["tiny"]  # this cluster's own measurement
     preview = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4).llm.estimate()
     assert preview.seconds is not None and preview.seconds > 0 and "estimated time:" in str(preview)
+    assert "remembered calibration" not in str(preview)
+
+
+@pytest.mark.timeout(240)
+def test_a_new_cluster_previews_with_the_calibration_an_earlier_one_remembered(llm_cluster, tmp_path, monkeypatch):
+    """calibrate() on one cluster; a new one (new worker processes, same machine, model and
+    numerics) previews a time at once, and says where it comes from, until it is forgotten."""
+    monkeypatch.setenv("DASK_DASKLLM__CALIBRATIONS__PATH", str(tmp_path))  # the workers' and the CLI's
+    job = table(QUESTIONS, 2).llm.map(TEMPLATE, max_tokens=4, out="a")
+    with dask.config.set({"daskllm.calibrations.path": str(tmp_path)}):
+        with llm_cluster(n_workers=1, threads_per_worker=2):
+            assert job.llm.estimate().seconds is None
+            measured = daskllm.dataframe.calibrate()["tiny"]
+        (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("tiny-*.json")]
+        assert record["numerics"].startswith("TorchEngine:torch.float32:cpu")
+
+        with llm_cluster(n_workers=1, threads_per_worker=2):
+            out = io.StringIO()
+            preview = daskllm.explain(job, file=out)
+            assert preview.seconds is not None and preview.seconds > 0
+            cost = preview.costs["tiny"]
+            assert cost["prefill_s_per_token"] == measured["prefill_s_per_token"]
+            assert cost["remembered"] == {k: record[k] for k in ("measured_at", "machine", "numerics")}
+            assert "from a remembered calibration, measured" in out.getvalue()
+            assert record["numerics"] in out.getvalue() and record["machine"] in out.getvalue()
+
+            cleared = subprocess.run([sys.executable, "-m", "daskllm.cli", "cache", "clear", "--calibrations"],
+                                     capture_output=True, text=True, check=True, timeout=120).stdout
+            assert "1 calibrations forgotten" in cleared
+            forgotten = job.llm.estimate()
+            assert forgotten.seconds is None and "no measured per-token cost for 'tiny'" in str(forgotten)
+
+
+def test_a_calibration_is_remembered_only_for_the_same_model_files_numerics_and_machine(tmp_path):
+    from daskllm.worker.calibrations import Identity, forget_all, recall, remember
+
+    cpu = Identity("digest-of-the-model-files", "TorchEngine:torch.float32:cpu", "AMD EPYC, 2 cores, 1 torch thread")
+    remember("tiny", cpu, {"prefill_s_per_token": 1e-4, "decode_s_per_token": 1e-3}, tmp_path)
+    assert recall("tiny", cpu, tmp_path)["prefill_s_per_token"] == 1e-4
+    for other in (dataclasses.replace(cpu, model_digest="digest-of-changed-files"),
+                  dataclasses.replace(cpu, numerics="TorchEngine:torch.bfloat16:cpu"),
+                  dataclasses.replace(cpu, machine="AMD EPYC, 2 cores, 2 torch threads")):
+        assert recall("tiny", other, tmp_path) is None
+    remember("tiny", cpu, {"prefill_s_per_token": 2e-4, "decode_s_per_token": 1e-3}, tmp_path)  # calibrated again
+    assert recall("tiny", cpu, tmp_path)["prefill_s_per_token"] == 2e-4
+    assert forget_all(tmp_path) == 1 and recall("tiny", cpu, tmp_path) is None
 
 
 def test_an_operators_time_is_its_engine_work_plus_a_fixed_and_a_per_call_overhead():

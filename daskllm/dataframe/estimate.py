@@ -15,7 +15,9 @@ question after a map) is rendered from those columns alone ("exact"); one that r
 operator's output, or whose rows depend on one (after a filter), cannot be rendered without
 running that one: its rows and distinct inputs are bounded by the upstream operator's rows
 ("upper bound"). Its time: the engines' measured per-token costs, spread over the engines, plus
-a measured per-operator overhead (see :func:`calibrate`).
+a measured per-operator overhead (see :func:`calibrate`): this cluster's calibration, else one
+the workers remember from an earlier cluster on the same machine, model files and engine
+numerics (:mod:`daskllm.worker.calibrations`), which the preview's notes then name.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from daskllm.dataframe.rows import RENDERED, render
 from daskllm.prompts import tokenizer_for
 from daskllm.runtime.metering import usage
 from daskllm.runtime.view import current_client, take_view
+from daskllm.worker.calibrations import calibrations, remember_on_worker
+from daskllm.worker.control import resident_models
 from daskllm.worker.costs import calibrate as calibrate_worker
-from daskllm.worker.costs import measured
 from daskllm.worker.store import are_stored
 from daskllm.engines import SamplingParams
 from daskllm.worker.host import get_engine
@@ -78,7 +81,8 @@ class TableEstimate:
     """What ``ddf.llm.estimate()`` and ``daskllm.explain(ddf)`` return."""
 
     operators: tuple[OperatorEstimate, ...]
-    costs: dict = field(default_factory=dict)  # model -> measured per-token seconds, with its engines
+    # model -> measured per-token seconds and overheads, with its engines (and "remembered": from when and what)
+    costs: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
     @property
@@ -195,6 +199,9 @@ def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 
     for model in sorted(missing):
         notes.append(f"no measured per-token cost for {model!r} yet: run daskllm.dataframe.calibrate() "
                      f"for a time estimate")
+    used = {op.model for op in previews.values() if op.seconds is not None}
+    notes += [remembered_note(model, costs[model]["remembered"]) for model in sorted(used)
+              if costs[model].get("remembered")]
     if any(p.method.startswith("upper bound") for p in previews.values()):
         notes.append("upper bound: an operator reading another's output is bounded by that one's rows; its "
                      "prompt tokens are known only once that one has run")
@@ -316,89 +323,119 @@ def bounded(op: Op, above: list[OperatorEstimate]) -> OperatorEstimate:
                             output, None)
 
 
+def remembered_note(model: str, remembered: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(remembered["measured_at"]))
+    return (f"time for {model!r} from a remembered calibration, measured {when} on {remembered['machine']} "
+            f"({remembered['numerics']}); daskllm.dataframe.calibrate() measures this cluster again")
+
+
+PER_TOKEN = ("prefill_s_per_token", "decode_s_per_token")
+OVERHEADS = ("operator_overhead_s", "call_overhead_s")
+
+
 def measured_costs(client=None) -> dict:
     """Per model: the best per-token seconds any worker measured, how many engines serve it, and
     the seconds an operator's run adds to its engines' work (``operator_overhead_s``, and
-    ``call_overhead_s`` per call)."""
+    ``call_overhead_s`` per call). From this cluster's :func:`calibrate`, else from the
+    calibrations its workers remember for their engines (then ``remembered`` says when it was
+    measured, on what machine and numerics). Waits for engines still loading."""
     client = client if client is not None else current_client()
     if client is None:
         return {}
     engines = Counter({model: n for (kind, model), n in take_view(client).holders if kind == "llm"})
-    best: dict[str, dict] = {}
-    for per_model in client.run(measured).values():
-        for model, cost in per_model.items():
-            b = best.setdefault(model, dict(cost))
-            for k, v in cost.items():
-                b[k] = min(b[k], v)
-    overhead = {"operator_overhead_s": 0.0, "call_overhead_s": 0.0}
-    return {model: {**cost, "engines": engines.get(model, 1), **overhead,
-                    **client.get_metadata(overhead_key(model), {})}
-            for model, cost in best.items()}
-
-
-def overhead_key(model: str) -> str:
-    return f"daskllm-operator-overhead-s-{model}"  # kept on the scheduler: one per cluster
+    found: dict[str, list[dict]] = {}
+    for per_model in client.run(calibrations).values():
+        for model, record in per_model.items():
+            found.setdefault(model, []).append(record)
+    costs = {}
+    for model, records in found.items():
+        records = [r for r in records if not r["remembered"]] or records  # this cluster's own, where measured
+        cost = {k: min(r.get(k, 0.0) for r in records) for k in PER_TOKEN + OVERHEADS}
+        cost["engines"] = engines.get(model, 1)
+        if records[0]["remembered"]:
+            latest = max(records, key=lambda r: r["measured_at"])
+            cost["remembered"] = {k: latest[k] for k in ("measured_at", "machine", "numerics")}
+        costs[model] = cost
+    return costs
 
 
 def calibrate(models=None, client=None) -> dict:
     """Measure, per model the cluster serves: the engines' per-token costs on every worker, then
     what a small table job takes beyond them (planning, scheduling, the dedupe barrier, the
-    calls' Python work), so that later estimates carry a time. Returns what
-    :func:`measured_costs` then reports."""
+    calls' Python work), so that later estimates carry a time. The workers keep the result for
+    this cluster and remember it on disk for their engines' identity (model files, numerics,
+    machine), replacing what they remembered: a later cluster on the same machine previews
+    with it. Returns what :func:`measured_costs` then reports."""
     client = client if client is not None else current_client()
     if client is None:
         raise RuntimeError("calibrate needs a dask client (a cluster whose engines it measures)")
-    held = {model for (kind, model), _ in take_view(client).holders if kind == "llm"}
-    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    holding = resident_models(client)  # waits for engines still loading: no part of the measurement
+    held = {model for models_here in holding.values() for model in models_here}
     for model in sorted(models or held):
+        workers = [w for w, models_here in holding.items() if model in models_here]
+        if not workers:
+            raise ValueError(f"calibrate: no worker of this cluster holds {model!r}")
         # A task on every worker at once (as every worker runs in a job), in its thread pool: never
         # on its event loop, whose heartbeats go on during the measurement.
-        client.gather([client.submit(measure, model, workers=[w], allow_other_workers=False, pure=False)
-                       for w in workers])
-        client.set_metadata(overhead_key(model), job_overhead(model, client))
+        measured = client.gather([client.submit(measure, model, workers=[w], allow_other_workers=False, pure=False)
+                                  for w in workers])
+        cost = {k: min(m[k] for m in measured) for k in PER_TOKEN}
+        cost = {**cost, **job_overhead(model, {**cost, "engines": len(workers)}, client), "engines": len(workers)}
+        client.run(remember_on_worker, model, cost, workers=workers)
     return measured_costs(client)
 
 
-# Prompts and batches of a table job's size, a few seconds per model: per-token costs of the
-# batches a job's partitions make.
-CALIBRATION = {"prefill_prompts": 8, "prompt_tokens": 64, "decode_seqs": 32, "decode_tokens": 6}
+# Prompts and batches of a table job's size: per-token costs of the batches a job's partitions
+# make. A CPU engine computes 256 prompt tokens at the per-token cost of a longer step
+# (torch_engine.CPU_PREFILL_CHUNK): one step of them is enough; 32 sequences then decode 4
+# tokens each, continuing those prompts (see daskllm.worker.costs.calibrate).
+CALIBRATION = {"prefill_prompts": 4, "prompt_tokens": 64, "decode_seqs": 32, "decode_tokens": 4}
 
 
 def measure(model: str) -> dict:
-    warm_up(model)  # a first request pays one-off costs a run does not
+    warm_up(model)
     return calibrate_worker(model, **CALIBRATION)
 
 
 def warm_up(model: str, dask_worker=None) -> None:
+    """What a worker's first request and first table job pay once (the engine's first steps,
+    loading the tokenizer a partition renders its prompts with): not part of a run's costs."""
+    tokenizer_for(model)
     get_engine(model).generate([[0, 11, 12, 13]], SamplingParams(max_tokens=2, ignore_eos=True))
 
 
-def job_overhead(model: str, client) -> dict[str, float]:
-    """What a table operator takes beyond its engines' modelled work: a fixed part (planning,
-    scheduling, the dedupe barrier) and a part per call (its Python work: rendering, task
-    bookkeeping, parsing), fitted to the wall times of two small ``map`` jobs (two partitions
-    per engine, 2 and 8 fresh prompts each, so nothing is cached) minus their computed prompt
-    and decoded tokens at the measured per-token costs. The small job runs twice, first and
-    last: its lower time leaves out one-off costs of a first run."""
+def table_job(model: str, client, engines: int, calls_per_partition: int,
+              max_tokens: int = 1) -> tuple[int, float, tuple[int, int]]:
+    """Run a small ``map`` job of fresh prompts (no result store or prefix cache hit), two
+    partitions per engine; its calls, wall seconds and the engine work it did (computed prompt
+    tokens and decoded tokens, as a preview counts them)."""
     import dask.dataframe as dd  # here: the accessor module imports this one
 
-    cost = measured_costs(client)[model]
-    parts = 2 * cost["engines"]
+    parts = 2 * engines
+    tag = uuid.uuid4().hex[:8]
+    rows = pd.DataFrame({"q": [f"Calibration {tag}: say the number {i}." for i in range(calls_per_partition * parts)]})
+    # chat=False: no tokenizer needed on the client, whose first load is no part of a run
+    job = dd.from_pandas(rows, npartitions=parts).llm.map("{q}", model=model, max_tokens=max_tokens, ignore_eos=True,
+                                                           chat=False, out="a")
+    with usage() as used:
+        start = time.perf_counter()
+        job.compute()
+        wall = time.perf_counter() - start
+    return len(rows), wall, (used.prefill_tokens_computed, used.decode_tokens)
 
+
+def job_overhead(model: str, cost: dict, client) -> dict[str, float]:
+    """What a table operator takes beyond its engines' modelled work: a fixed part (planning,
+    scheduling, the dedupe barrier) and a part per call (its Python work: rendering, task
+    bookkeeping, parsing), fitted to the wall times of two small ``map`` jobs (1 and 8 fresh
+    prompts per partition, one output token each: decoding is the engines' measured work, not
+    overhead) minus their computed prompt and decoded tokens at the measured per-token costs
+    ``cost``, spread over its ``engines``. Run after :func:`warm_up` on every worker."""
     def extra(per_part: int) -> tuple[int, float]:
-        tag = uuid.uuid4().hex[:8]  # fresh prompts: no result store or cache hit
-        rows = pd.DataFrame({"q": [f"Calibration {tag}: say the number {i}." for i in range(per_part * parts)]})
-        # chat=False: no tokenizer needed on the client, whose first load is no part of a run
-        job = dd.from_pandas(rows, npartitions=parts).llm.map("{q}", model=model, max_tokens=4, ignore_eos=True,
-                                                               chat=False, out="a")
-        with usage() as used:
-            start = time.perf_counter()
-            job.compute()
-            wall = time.perf_counter() - start
-        work = used.prefill_tokens_computed * cost["prefill_s_per_token"] + used.decode_tokens * cost["decode_s_per_token"]
-        return len(rows), wall - work / max(1, cost["engines"])
+        calls, wall, (prefill, decode) = table_job(model, client, cost["engines"], per_part)
+        work = prefill * cost["prefill_s_per_token"] + decode * cost["decode_s_per_token"]
+        return calls, wall - work / max(1, cost["engines"])
 
-    small, large, again = extra(2), extra(8), extra(2)
-    small = min(small, again, key=lambda point: point[1])
+    small, large = extra(1), extra(8)
     per_call = max(0.0, (large[1] - small[1]) / (large[0] - small[0]))
     return {"operator_overhead_s": max(0.0, small[1] - per_call * small[0]), "call_overhead_s": per_call}

@@ -8,6 +8,7 @@ index shards and the per-process result store. Nothing here imports the planner.
 * :mod:`~daskllm.worker.results`: remembered results of deterministic calls
 * :mod:`~daskllm.worker.calls`: plain task functions for Dask users (one model call per task)
 * :mod:`~daskllm.worker.control`: what a client runs on every worker (counters, cache resets)
+* :mod:`~daskllm.worker.calibrations`: measured costs remembered on disk per model, numerics and machine
 """
 
 from daskllm.worker.calls import embed, generate, prefill, rerank
