@@ -386,10 +386,10 @@ def calibrate(models=None, client=None) -> dict:
 
 
 # Prompts and batches of a table job's size: per-token costs of the batches a job's partitions
-# make. A CPU engine computes 256 prompt tokens at the per-token cost of a longer step
-# (torch_engine.CPU_PREFILL_CHUNK): one step of them is enough; 32 sequences then decode 4
-# tokens each, continuing those prompts (see daskllm.worker.costs.calibrate).
-CALIBRATION = {"prefill_prompts": 4, "prompt_tokens": 64, "decode_seqs": 32, "decode_tokens": 4}
+# make. One step of 128 prompt tokens costs per token what a longer step does (a CPU engine's
+# step is at most torch_engine.CPU_PREFILL_CHUNK tokens); 32 sequences then decode 2 tokens
+# each, continuing those prompts (see daskllm.worker.costs.calibrate): about 2 s.
+CALIBRATION = {"prefill_prompts": 2, "prompt_tokens": 64, "decode_seqs": 32, "decode_tokens": 2}
 
 
 def measure(model: str) -> dict:
@@ -427,7 +427,7 @@ def table_job(model: str, client, engines: int, calls_per_partition: int,
 def job_overhead(model: str, cost: dict, client) -> dict[str, float]:
     """What a table operator takes beyond its engines' modelled work: a fixed part (planning,
     scheduling, the dedupe barrier) and a part per call (its Python work: rendering, task
-    bookkeeping, parsing), fitted to the wall times of two small ``map`` jobs (1 and 8 fresh
+    bookkeeping, parsing), fitted to the wall times of two small ``map`` jobs (1 and 4 fresh
     prompts per partition, one output token each: decoding is the engines' measured work, not
     overhead) minus their computed prompt and decoded tokens at the measured per-token costs
     ``cost``, spread over its ``engines``. Run after :func:`warm_up` on every worker."""
@@ -436,6 +436,6 @@ def job_overhead(model: str, cost: dict, client) -> dict[str, float]:
         work = prefill * cost["prefill_s_per_token"] + decode * cost["decode_s_per_token"]
         return calls, wall - work / max(1, cost["engines"])
 
-    small, large = extra(1), extra(8)
+    small, large = extra(1), extra(4)
     per_call = max(0.0, (large[1] - small[1]) / (large[0] - small[0]))
     return {"operator_overhead_s": max(0.0, small[1] - per_call * small[0]), "call_overhead_s": per_call}
