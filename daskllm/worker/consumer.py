@@ -258,9 +258,9 @@ class Consumer:
                     q.close()
                 if producer is not None:
                     producer.release()
-        host().usage[self.task_key] = TaskUsage(PMAP_TASK, calls=len(self.calls), items=len(self.results) + len(self.errors),
-                                                requested=dict(self.requested), children=tuple(sorted(self.children)),
-                                                first_item_started=self.first_started)
+        host().record(self.task_key, TaskUsage(PMAP_TASK, calls=len(self.calls), items=len(self.results) + len(self.errors),
+                                               requested=dict(self.requested), children=tuple(sorted(self.children)),
+                                               first_item_started=self.first_started))
         return self._result()
 
     def _wake(self, *_) -> None:
