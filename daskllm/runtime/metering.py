@@ -279,16 +279,14 @@ def _records(keys: set) -> dict[str, TaskUsage]:
         client = default_client()
     except ValueError:
         return found
-    kept = client.run_on_scheduler(ledger_records, keys=list(keys)) or {}
+    found = _newest(found, client.run_on_scheduler(ledger_records, keys=list(keys)) or {})
     # Keys the scheduler has no record of (it runs no ledger, a record could not travel, or the
     # task records nothing): asked of the workers still there.
-    missing = [k for k in keys if k not in kept and k not in found]
+    missing = [k for k in keys if k not in found]
     if missing:
         for records in client.run(_worker_records, keys=missing).values():
-            for key, usage in records.items():
-                if key not in kept or usage["time"] >= kept[key]["time"]:
-                    kept[key] = usage
-    return _newest(found, kept)
+            found = _newest(found, records)
+    return found
 
 
 def _worker_records(keys, dask_worker=None) -> dict:
