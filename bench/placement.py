@@ -15,7 +15,10 @@ q=questions_i), max_tokens=8)`` nodes over 4 system prompts of about 150 tokens:
 * ``balanced``: every system prompt gets ``--questions`` questions;
 * ``skewed``: system prompt 0 gets 80% of ``4 x --questions`` calls, the other three share the rest.
 
-Each is computed with ``daskllm.compute(*nodes, passes=["cse"], granularity="query")``: one
+Each is computed with ``daskllm.compute(*nodes)``, every pass on, as a user computes them: at
+``--questions`` 8 (``--quick``) the plan runs as parts (a worker task per shard of calls, each
+annotated with the prefix its calls share), larger ones with prefill and decode tasks. With
+``--plugin-alone`` it is ``daskllm.compute(*nodes, passes=["cse"], granularity="query")``: one
 task per call and no prefill tasks, so the placement plugin alone decides where prefixes are
 computed. For every policy (``cache_aware``, ``round_robin``, ``least_loaded``,
 ``prefix_affinity``, ``off``) and workload: cold start (result cache cleared, every worker's
@@ -88,10 +91,10 @@ def workloads(n_questions: int, n_systems: int = 4) -> dict[str, list[tuple[str,
     return {"balanced": balanced, "skewed": skewed}
 
 
-def build(spec, max_tokens: int):
+def build(spec, max_tokens: int, model: str):
     import daskllm
 
-    return [daskllm.generate(daskllm.prompt(system + "{q}\nAnswer:", q=qs), max_tokens=max_tokens)
+    return [daskllm.generate(daskllm.prompt(system + "{q}\nAnswer:", q=qs), model=model, max_tokens=max_tokens)
             for system, qs in spec]
 
 
@@ -107,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="interleaved repetitions; medians are reported")
     p.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
     p.add_argument("--workloads", nargs="+", default=["balanced", "skewed"], choices=["balanced", "skewed"])
+    p.add_argument("--plugin-alone", action="store_true",
+                   help='plan with passes=["cse"], granularity="query": one task per call, no prefill tasks')
     p.add_argument("--json", metavar="PATH", help="write all raw numbers and machine info here")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 workers, 8 questions, 1 repetition")
     args = p.parse_args(argv)
@@ -147,18 +152,17 @@ def decisions(client) -> dict:
     return client.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.plugins["daskllm-placement"].decisions))
 
 
-def annotations(nodes) -> dict:
-    """decode task key -> its placement annotation, for the plan the benchmark computes."""
+def annotations(nodes, settings: dict) -> dict:
+    """decode task (or part) key -> its placement annotation, for the plan the benchmark computes."""
     from daskllm.runtime.submit import overrides
     from daskllm.runtime.submit import plan as lowered
 
-    with overrides({"passes": ["cse"], "granularity": "query"}):
+    with overrides(settings):
         low = lowered(nodes)
-    out = {key: ann for key, ann in low.annotations.items() if ann.get("op") == "decode"}
-    return out
+    return {key: ann for key, ann in low.annotations.items() if ann.get("op") == "decode"}
 
 
-def run_once(client, model: str, nodes, policy: str) -> dict:
+def run_once(client, model: str, nodes, policy: str, settings: dict) -> dict:
     from distributed import get_task_stream
 
     import daskllm
@@ -169,7 +173,7 @@ def run_once(client, model: str, nodes, policy: str) -> dict:
     before, dec_before = client.run(engine_stats), decisions(client)
     with get_task_stream(client) as stream:
         t0 = time.perf_counter()
-        values = daskllm.compute(*nodes, passes=["cse"], granularity="query")
+        values = daskllm.compute(*nodes, **settings)
         makespan = time.perf_counter() - t0
     after, dec_after = client.run(engine_stats), decisions(client)
     per_worker, cached, computed = {}, 0, 0
@@ -205,9 +209,10 @@ def ideal_hit_rate(anns: dict, ran_on: dict, total_prompt_tokens: int, block: in
             common = common[:n]
         shared = len(common) * block
         workers = {ran_on[k] for k in keys if k in ran_on}
-        saved += (len(keys) - len(workers)) * shared
-        bound += (len(keys) - 1) * shared
-        detail.append({"calls": len(keys), "shared_prefix_tokens": shared, "workers": len(workers)})
+        calls = sum(int(anns[k].get("shard", 1)) for k in keys)  # a part or shard task holds several
+        saved += (calls - len(workers)) * shared
+        bound += (calls - 1) * shared
+        detail.append({"calls": calls, "shared_prefix_tokens": shared, "workers": len(workers)})
     detail.sort(key=lambda d: -d["calls"])
     rate = (lambda x: x / total_prompt_tokens if total_prompt_tokens else 0.0)
     return {"ideal_hit_rate": rate(saved), "one_copy_hit_rate": rate(bound), "groups": detail}
@@ -241,6 +246,7 @@ def main(argv=None) -> int:
 
     from daskllm import config
     from daskllm.cluster import LocalLLMCluster
+    from daskllm.worker import resident_models
 
     info = machine_info()
     started = time.perf_counter()
@@ -256,16 +262,18 @@ def main(argv=None) -> int:
                          engine_options={"kv_cache_tokens": args.kv_cache_tokens}, embedders=(), rerankers=(),
                          dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         client.wait_for_workers(args.workers, timeout=180)
+        resident_models(client)  # engines loaded: their counters exist
         model = cluster.models[0]
         startup = time.perf_counter() - started
         log(f"cluster up in {startup:.1f}s")
-        nodes = {wl: build(spec, args.max_tokens) for wl, spec in specs.items()}
-        anns = {wl: annotations(nodes[wl]) for wl in specs}
+        settings = {"passes": ["cse"], "granularity": "query"} if args.plugin_alone else {}
+        nodes = {wl: build(spec, args.max_tokens, model) for wl, spec in specs.items()}
+        anns = {wl: annotations(nodes[wl], settings) for wl in specs}
         for rep in range(args.repeats):
             order = args.policies[rep % len(args.policies):] + args.policies[:rep % len(args.policies)]
             for wl in specs:
                 for policy in order:
-                    r = run_once(client, model, nodes[wl], policy)
+                    r = run_once(client, model, nodes[wl], policy, settings)
                     ref = reference.setdefault(wl, r["values"])
                     r["exact"] = r["values"] == ref
                     exact &= r["exact"]
@@ -277,7 +285,7 @@ def main(argv=None) -> int:
     for wl in specs:
         ca = raw[wl]["cache_aware"][0] if "cache_aware" in raw[wl] else next(iter(raw[wl].values()))[0]
         ideal = ideal_hit_rate(anns[wl], ca["ran_on"], ca["prefill_cached"] + ca["prefill_computed"], block)
-        ideal["calls"] = len(anns[wl])
+        ideal["calls"] = sum(int(a.get("shard", 1)) for a in anns[wl].values())
         rows: dict = {"_ideal": ideal}
         for policy, runs in raw[wl].items():
             med = statistics.median

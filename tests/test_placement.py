@@ -37,6 +37,7 @@ CLUSTER = dict(n_workers=2, threads_per_worker=6, engine_options={"kv_cache_toke
 @pytest.fixture(scope="module")
 def shared_client(llm_cluster, tiny_model_dir):
     with llm_cluster(**CLUSTER) as client:
+        resident_models(client)  # engines loaded: counters exist whichever test runs first
         yield client
 
 
@@ -48,8 +49,8 @@ def client(shared_client):
     return shared_client
 
 
-def workload(max_tokens: int = 4):
-    return [daskllm.generate(daskllm.prompt(system + "{q}\nAnswer:", q=QUESTIONS), max_tokens=max_tokens)
+def workload(max_tokens: int = 4, questions: int = len(QUESTIONS)):
+    return [daskllm.generate(daskllm.prompt(system + "{q}\nAnswer:", q=QUESTIONS[:questions]), max_tokens=max_tokens)
             for system in SYSTEMS]
 
 
@@ -92,6 +93,22 @@ def test_cache_aware_beats_round_robin_on_hits_without_worse_balance(client):
     assert results["cache_aware"][2] == results["round_robin"][2]  # placement never changes outputs
     assert results["cache_aware"][0] > results["round_robin"][0], {p: r[:2] for p, r in results.items()}
     assert results["cache_aware"][1] <= max(results["round_robin"][1], 1.3)
+
+
+def test_the_policy_places_a_plan_run_as_parts(client):
+    """With every pass on, a small plan runs as parts (a worker task per shard of calls): the
+    policy still decides where, so a shared prefix is computed on fewer workers when cache-aware."""
+    nodes = workload(questions=16)  # 48 calls: within parts-calls-per-worker (32) x 2 workers
+    assert lowered(nodes).report["parts"]["tasks"] == 2 * len(SYSTEMS)  # each system's calls: a shard per worker
+    results = {}
+    for policy in ("round_robin", "cache_aware"):
+        cold_start(client)
+        set_policy(client, policy)
+        with daskllm.usage() as usage:
+            values = daskllm.compute(*nodes)
+        results[policy] = (usage.prefill_tokens_cached / usage.prefill_tokens, values)
+    assert results["cache_aware"][1] == results["round_robin"][1]
+    assert results["cache_aware"][0] > results["round_robin"][0], {p: r[0] for p, r in results.items()}
 
 
 def test_tasks_for_a_model_run_only_where_it_is(client, tiny_model_dir, tmp_path):

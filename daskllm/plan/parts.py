@@ -51,11 +51,24 @@ def as_parts(lowered: Lowered) -> Lowered:
 
 def parts_of(lowered: Lowered, graph: dict, outputs: list) -> list[Part]:
     """The tasks of ``graph`` (some of ``lowered``'s) that ``outputs`` need, as parts sharing no
-    task, each with the plan's engines and its calls' token work (from their annotations)."""
+    task, each with the plan's engines, its calls' token work and the prefix its largest group
+    of calls shares (from their annotations)."""
     engines = frozenset(e for n in lowered.plan if (e := engine_of(n)) is not None)
-    work = {k: int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0)) for k, a in lowered.annotations.items()}
-    return [Part({k: graph[k] for k in tasks}, keys, engines, sum(work.get(k, 0) for k in tasks))
-            for keys, tasks in independent(graph, outputs)]
+    annotations = lowered.annotations
+    work = {k: int(a.get("prompt_tokens", 0)) + int(a.get("max_tokens", 0)) for k, a in annotations.items()}
+    parts = []
+    for keys, tasks in independent(graph, outputs):
+        prefix, calls = shared_prefix([annotations[k] for k in tasks if k in annotations])
+        parts.append(Part({k: graph[k] for k in tasks}, keys, engines, sum(work.get(k, 0) for k in tasks),
+                          prefix, calls))
+    return parts
+
+
+def shared_prefix(annotations: list[dict]) -> tuple[tuple[str, ...], int]:
+    """The prefix chain that saves the most tokens among the tasks' own (calls x blocks), and its calls."""
+    best = max((a for a in annotations if a.get("prefix")),
+               key=lambda a: (int(a.get("shard", 1)) * len(a["prefix"]), a["prefix"]), default=None)
+    return (tuple(best["prefix"]), int(best.get("shard", 1))) if best else ((), 1)
 
 
 def independent(graph: dict, outputs: list) -> list[tuple[list, set]]:

@@ -38,12 +38,18 @@ class Part:
     keys: list
     engines: frozenset  # (kind, model)
     tokens: int = 0  # the work it brings an engine: its calls' prompt and output token estimates
+    # The prompt prefix (block-hash chain) its largest group of calls shares, and how many
+    # calls share it: what a worker already holding that prefix would serve from cache.
+    prefix: tuple[str, ...] = ()
+    calls: int = 1
 
     def annotation(self) -> dict:
         """Its ``daskllm`` task annotation: the placement plugin then places it like any engine
-        task and counts its tokens in that worker's queue (so work placed later sees them)."""
+        task (with its policy: by the prefix its calls share, or not) and counts its tokens in
+        that worker's queue (so work placed later sees them)."""
         kind, model = min(self.engines, key=lambda e: (e[0] != "llm", e)) if self.engines else (None, None)
-        return TaskAnnotation(op=DECODE_TASK, engine=kind, model=model, prompt_tokens=self.tokens).as_dict()
+        return TaskAnnotation(op=DECODE_TASK, engine=kind, model=model, prefix=self.prefix,
+                              prompt_tokens=self.tokens, shard=self.calls).as_dict()
 
 
 def run_part(part: Part) -> list:
