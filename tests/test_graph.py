@@ -498,3 +498,27 @@ def test_overrides_are_per_thread_and_never_leak():
     assert seen == {i: ([], "query") if i % 2 else (["cse"], "shard") for i in range(8)}
     assert config.get("rewrite.passes") == default
     assert config.get("rewrite")["granularity"] == "shard"
+
+
+def test_a_shared_prefill_has_a_copy_per_worker_its_calls_fill():
+    """Halo's replication for a popular prefix only: one template over every call gets a prefill
+    copy per worker; four equal templates on two workers one each (each prefix computed once);
+    a hot template beside cold ones, copies for the hot one alone."""
+    from daskllm.plan.context import ClusterView
+    from daskllm.plan.passes.prefix import _replicas_needed
+    from daskllm.runtime.submit import plan
+
+    assert [_replicas_needed(2, calls, 160) for calls in (160, 40, 81, 80, 1)] == [2, 1, 2, 1, 1]
+    assert _replicas_needed(4, 80, 160) == 2 and _replicas_needed(1, 160, 160) == 1
+    view = ClusterView(on_cluster=True, holders=((("llm", "tiny"), 2),), reporting=2)
+    questions = [f"Question {i}: how do I use feature {i} of the standard library?" for i in range(40)]
+
+    def prefills(counts):
+        nodes = [daskllm.generate(daskllm.prompt(f"System {s}. " + SYSTEM_A + "{q}", q=questions[:n]), model="tiny",
+                                  max_tokens=4) for s, n in enumerate(counts)]
+        with dask.config.set({"daskllm.rewrite.parts-calls-per-worker": 0}):
+            return plan(nodes, view=view).report["tasks"]["prefill"]
+
+    assert prefills([40]) == 2
+    assert prefills([40, 40, 40, 40]) == 4
+    assert prefills([40, 4, 4, 4]) == 2 + 3

@@ -1,8 +1,9 @@
 """``prefill``: warm an engine's prefix cache; the value is a small handle, never KV tensors.
 
 A user's ``daskllm.prefill(prefix)`` lowers to one task per call. The shared-prefix pass makes
-prefill nodes of its own (``params["tokens"]``): a shared prefix gets one copy per worker
-holding the model (Halo's replication; decode shards take the copies in turn), and the
+prefill nodes of its own (``params["tokens"]``): a shared prefix gets one copy per worker its
+calls fill at a fair share of the model's calls (Halo's replication of a popular prefix;
+decode shards take the copies in turn), and the
 prefixes a decode shard's waiting calls already know are prefilled by one task placed with
 that shard (Teola's partial prefill).
 """
@@ -14,6 +15,7 @@ import os
 
 from daskllm.annotations import PREFILL_TASK, TaskAnnotation
 from daskllm.ops.base import Lowering, TaskType
+from daskllm.plan.context import decision
 from daskllm.plan.ir import Node, stable_hash
 from daskllm.worker.execute import run_prefill, run_prefill_many
 
@@ -68,7 +70,7 @@ def _lower(ctx: Lowering, node: Node) -> None:
 def replica(ctx: Lowering, pre: Node, shard_number: int) -> str:
     """The key of the copy of a shared prefill that decode shard ``shard_number`` waits for."""
     model, tokens = pre.params["model"], pre.params["tokens"]
-    copy = shard_number % _replicas(ctx, model)
+    copy = shard_number % _replicas(ctx, pre)
     made = ctx.memo.setdefault("prefill_copies", {})  # (prefill, copy) -> key: many shards wait for one copy
     if (pre, copy) not in made:
         key = made[pre, copy] = f"{TASK}-{stable_hash(model, tokens)}-r{copy}"
@@ -94,9 +96,11 @@ def partials(ctx: Lowering, model: str, prefills: list[Node]) -> str:
     return made[group]
 
 
-def _replicas(ctx: Lowering, model: str) -> int:
+def _replicas(ctx: Lowering, pre: Node) -> int:
     setting = ctx.options.prefill_replicas
-    return max(1, int(setting)) if setting != "auto" else ctx.view.holding(model, "llm")
+    if setting != "auto":
+        return max(1, int(setting))
+    return decision(ctx.graph, pre).replicas or ctx.view.holding(pre.params["model"], "llm")
 
 
 PREFILL = TaskType(PREFILL_TASK, _lower, engine="llm", calls=True, prompted=True)

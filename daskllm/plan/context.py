@@ -145,7 +145,8 @@ class NodePlan:
     """What the passes decided about one node.
 
     ``cached``: per call, its remembered result or None (cache pass). ``prefills``: per call,
-    the prefill node its decode waits for, or None (prefix pass). ``shard_size``: calls per
+    the prefill node its decode waits for, or None (prefix pass). ``replicas``: a shared
+    prefill's copies, one per worker its calls need (prefix pass). ``shard_size``: calls per
     task (stage pass). ``fused``: (group, calls per task) when the stage pass consolidates this
     node's calls with other nodes' identical-kind calls into shared tasks. ``source``/``spec``/``args``: a pmap's source after fusing the pmaps
     feeding it, its fused spec and stage arguments; ``streamed``: it reads its source's
@@ -154,6 +155,7 @@ class NodePlan:
 
     cached: tuple | None = None
     prefills: tuple | None = None
+    replicas: int | None = None
     shard_size: int | None = None
     fused: tuple[int, int] | None = None
     source: Node | None = None

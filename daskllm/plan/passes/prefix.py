@@ -73,6 +73,18 @@ def _all_stored(graph: nx.DiGraph, stored: StoredLookup | None, model: str,
                for node, members, _, _ in served)
 
 
+def served_calls(served: list[tuple]) -> int:
+    return sum(len(entry[1]) for entry in served)
+
+
+def _replicas_needed(workers: int, calls: int, model_calls: int) -> int:
+    """Copies of a shared prefill: one per worker its calls fill at a fair share of the model's
+    calls (Halo's replication for a popular prefix), not one per worker whatever its size: four
+    equal prefixes on two workers are each computed once, two on each worker."""
+    fair = -(-model_calls // max(1, workers))
+    return max(1, min(workers, -(-calls // max(1, fair))))
+
+
 class SharedPrefixPrefill:
     name = "prefix"
 
@@ -144,6 +156,9 @@ class SharedPrefixPrefill:
                 graph.add_edge(pre, node)
         for node, pres in assigned.items():
             decide(graph, node, prefills=tuple(pres))
+        for key, pre in prefills.items():
+            decide(graph, pre, replicas=_replicas_needed(plan.view.holding(key[0], "llm"), served_calls(serves[key]),
+                                                         sum(served_calls(g) for g in calls[key[0]].values())))
         partial = sum(prefill_op.is_partial(pre) for pre in prefills.values())
         plan.report["prefix"] = {"prefills": len(prefills), "shared": len(prefills) - partial, "partial": partial,
                                  "prefill_tokens_cached": sum(len(members) * reads for served in serves.values()
