@@ -7,8 +7,14 @@
 Systems, all on the same cluster and the same resident engines, so only orchestration differs:
 
 - ``sequential``: one query at a time, each call waiting for the last (a loop over an LLM client);
-- ``opwise``: one operator at a time over the whole batch, a barrier after each (black-box UDFs);
-- ``dask``: the pipeline's graph with plain Dask: a task per call, no rewrites, placement off;
+- ``opwise``: one operator at a time over the whole batch, a barrier after each (black-box UDFs),
+  every call of the operator sent to the engines together (Helium's OpWise);
+- ``dask``: the pipeline's graph with plain Dask: a task per call, no rewrites, placement off,
+  and a task waiting on its engine holds no thread, so every ready call is dispatched
+  (LangGraph's batch);
+- ``opwise-held`` and ``dask-held``: the same two with each waiting call holding its Dask
+  thread, as a plain Dask task calling a model does: at most ``--threads`` calls per worker
+  reach an engine at once (the baselines of earlier measurements);
 - ``daskllm``: everything on;
 - ablations of ``daskllm`` with one feature off: ``-cse``, ``-parts`` (small plans as
   parts), ``-prefix`` (shared-prefix prefill), ``-stage`` (stage split), ``-pipeline`` (decode pipelining), ``-cache`` (result
@@ -46,7 +52,7 @@ from machine import log, machine_info  # noqa: E402
 
 from daskllm.worker.costs import calibrate  # noqa: E402
 
-BASELINES = ("sequential", "opwise", "dask")
+BASELINES = ("sequential", "opwise", "dask", "opwise-held", "dask-held")
 ABLATIONS = {"-cse": "cse", "-prefix": "prefix", "-parts": "parts", "-stage": "stage", "-pipeline": "pipeline", "-cache": "cache",
              "-placement": None, "-release": None}
 SYSTEMS = (*BASELINES, "daskllm", *ABLATIONS)
@@ -99,17 +105,18 @@ def run_system(system: str, fn, inputs, config: dict):
     """The pipeline's answers, computed the way ``system`` orchestrates."""
     import daskllm
     from daskllm import config as daskllm_config
-    from pipelines.ops import NAIVE, Eager, Lazy, plain
+    from pipelines.ops import NAIVE, NAIVE_HELD, Eager, Lazy, plain
 
     # Every call generates its max_tokens: the same work whatever a random model's end-of-text does.
     if system == "sequential":
         one_by_one = Eager(config["model"], parallel=False, ignore_eos=True)
         return [plain(fn(inputs.subset(i, i + 1), one_by_one, **config))[0] for i in range(len(inputs))]
-    if system == "opwise":
-        return plain(fn(inputs, Eager(config["model"], ignore_eos=True), **config))
+    naive = NAIVE_HELD if system.endswith("-held") else NAIVE
+    if system in ("opwise", "opwise-held"):
+        return plain(fn(inputs, Eager(config["model"], settings=dict(naive), ignore_eos=True), **config))
     nodes = fn(inputs, Lazy(config["model"], ignore_eos=True), **config)
-    if system == "dask":
-        return plain(daskllm.compute(nodes, **NAIVE)[0])
+    if system in ("dask", "dask-held"):
+        return plain(daskllm.compute(nodes, **naive)[0])
     off = ABLATIONS.get(system)
     settings = {"passes": [p for p in daskllm_config.get("rewrite.passes") if p != off]} if off else {}
     if system == "-cache":
@@ -236,14 +243,14 @@ def bench_pipeline(client, name: str, fn, inputs, config: dict, systems: list[st
 def markdown(results: list[dict], args) -> str:
     lines = [f"model `{args.model}`, {args.workers} workers x {args.threads} threads, {args.queries} queries, "
              f"{args.max_tokens} tokens per call, {args.repeats} repetitions (median)\n",
-             "| pipeline | system | wall s | x daskllm's time | prefill computed / bound | hit rate | mean batch | "
+             "| pipeline | system | wall s | mean batch | x daskllm's time | prefill computed / bound | hit rate | "
              "tasks | efficiency | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for system, s in res["systems"].items():
             bound = f"{s['prefill_vs_bound']:.2f}" if s["prefill_vs_bound"] is not None else "-"
             eff = f"{s['efficiency']:.2f}" if s["efficiency"] is not None else "-"
-            lines.append(f"| {res['pipeline']} | {system} | {s['seconds']:.2f} | {s['vs_daskllm']:.2f} | {bound} | "
-                         f"{s['hit_rate']:.2f} | {s['mean_batch']:.1f} | {s['tasks']:.0f} | {eff} | "
+            lines.append(f"| {res['pipeline']} | {system} | {s['seconds']:.2f} | {s['mean_batch']:.1f} | "
+                         f"{s['vs_daskllm']:.2f} | {bound} | {s['hit_rate']:.2f} | {s['tasks']:.0f} | {eff} | "
                          f"{'yes' if s['exact'] else 'NO'} |")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from cold caches, alternating their order by rate:
   cache-aware placement across requests), most urgent deadline first;
 - ``solo``: the same, but each request planned and submitted alone (consolidation off);
 - ``dask``: plain Dask per-request tasks: no rewrites, a task per call, placement off
-  (``pipelines.ops.NAIVE``), each request submitted alone.
+  (``pipelines.ops.NAIVE_HELD``), each request submitted alone.
 
 ``--long-prompt``: another measurement, through a real HTTP server (:func:`daskllm.serve.serving`,
 what ``daskllm serve`` runs) and the ``openai`` client: one ``--long-tokens`` prompt (4,096) is
@@ -75,10 +75,10 @@ def percentile(values: list[float], q: float) -> float:
 def consolidator(client, system: str, window: float = 0.0):
     from daskllm.placement import set_policy
     from daskllm.serve.consolidate import Consolidator
-    from pipelines.ops import NAIVE
+    from pipelines.ops import NAIVE_HELD
 
     set_policy(client, "off" if system == "dask" else "cache_aware")
-    plan = dict(NAIVE) if system == "dask" else {"result_cache": False}
+    plan = dict(NAIVE_HELD) if system == "dask" else {"result_cache": False}
     return Consolidator(client, enabled=system in ("daskllm", "fcfs"), window=window, here=system != "dask",
                         plan_options=plan)
 

@@ -73,10 +73,10 @@ def plan_names() -> list[str]:
 def plan_settings(plan: str) -> tuple[dict, str]:
     """compute()'s settings and the placement policy of ``plan``."""
     import daskllm
-    from pipelines.ops import NAIVE
+    from pipelines.ops import NAIVE_HELD
 
     if plan == "naive":
-        return dict(NAIVE), "off"
+        return dict(NAIVE_HELD), "off"
     if plan == "-placement":
         return {"result_cache": False}, "off"
     removed = plan.removeprefix("-")

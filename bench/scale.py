@@ -98,7 +98,7 @@ def bench_throughput(n: int, workers: int, max_tokens: int) -> dict:
     from daskllm.runtime.control import cold_start
     from pipelines.data import Inputs
     from pipelines.halo import w2
-    from pipelines.ops import NAIVE
+    from pipelines.ops import NAIVE_HELD
 
     inputs = Inputs(distinct_questions(n))
     result = {"queries": n, "workers": workers, "max_tokens": max_tokens, "workflow": "w2"}
@@ -109,7 +109,7 @@ def bench_throughput(n: int, workers: int, max_tokens: int) -> dict:
         for system in ("daskllm", "dask"):
             cold_start(client)
             set_policy(client, "cache_aware" if system == "daskllm" else "off")
-            settings = {} if system == "daskllm" else NAIVE
+            settings = {} if system == "daskllm" else NAIVE_HELD
             t0 = time.perf_counter()
             (outputs[system],) = daskllm.compute(w2(inputs, max_tokens=max_tokens), **settings)
             result[f"{system}_s"] = time.perf_counter() - t0

@@ -256,12 +256,12 @@ def collect_calls(client, fn, inputs, config: dict) -> list[Call]:
     from daskllm.runtime.submit import overrides
     from daskllm.runtime.submit import plan as lowered
     from daskllm.runtime.metering import _records
-    from pipelines.ops import NAIVE
+    from pipelines.ops import NAIVE_HELD
 
     nodes = fn(inputs, **config)
-    with overrides(dict(NAIVE)):
+    with overrides(dict(NAIVE_HELD)):
         graph = dict(lowered([nodes]).graph)
-    daskllm.compute(nodes, **NAIVE)
+    daskllm.compute(nodes, **NAIVE_HELD)
     decodes = [k for k in graph if str(k).startswith("decode-")]
     records = _records(set(decodes))
     index = {k: i for i, k in enumerate(decodes)}

@@ -8,8 +8,12 @@ benchmark's baselines are these two run differently (see ``bench/harness.py``):
 
 - ``sequential``: Eager, one query at a time, nothing in parallel (each call waits for the last);
 - ``opwise``: Eager over the whole batch (one operator at a time, a barrier after each;
-  per-item functions run for all items at once, as a UDF over the batch would);
-- ``dask``: Lazy, computed with no rewrites, one task per call, placement off;
+  per-item functions run for all items at once, as a UDF over the batch would), every call of
+  an operator sent to the engines together (``NAIVE``);
+- ``dask``: Lazy, computed with no rewrites, one task per call, placement off, every ready
+  call dispatched (``NAIVE``);
+- ``opwise-held`` / ``dask-held``: the same with each waiting call holding a Dask thread
+  (``NAIVE_HELD``), as a plain Dask task calling a model does;
 - ``daskllm``: Lazy, everything on.
 
 Batches: a slot given a list (or a batch) makes one call per item; ``gather`` turns a
@@ -29,8 +33,13 @@ from dataclasses import dataclass, field
 
 import daskllm
 
-# The plan a call gets in the naive baselines: no rewrites, one task per call, no reuse.
-NAIVE = {"passes": [], "granularity": "query", "result_cache": False, "release_threads": False}
+# The plan a call gets in the naive baselines: no rewrites, one task per call, no reuse. A task
+# waiting on its engine holds no Dask thread, so every ready call reaches the engines at once
+# (full width: what Helium's OpWise and LangGraph's batch dispatch).
+NAIVE = {"passes": [], "granularity": "query", "result_cache": False, "release_threads": True}
+# The same with each waiting call holding its Dask thread, as a plain Dask task calling a model
+# does: at most a worker's threads of calls reach its engine at once.
+NAIVE_HELD = {**NAIVE, "release_threads": False}
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,7 @@ class Eager:
             return [fn(*a) for a in arguments]
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(min(64, len(arguments))) as pool:
+        with ThreadPoolExecutor(len(arguments)) as pool:  # every item at once: they wait on engines
             return list(pool.map(lambda a: fn(*a), arguments))
 
     def _run(self, node):
