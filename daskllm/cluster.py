@@ -2,7 +2,8 @@
 
 With GPUs (found through NVML) there is one worker per GPU, each seeing only its own
 device through ``CUDA_VISIBLE_DEVICES``, as dask-cuda does; a model served with tensor
-parallelism over N GPUs gets one worker per N GPUs, each seeing its N. Without GPUs (or
+parallelism over N GPUs gets one worker per N GPUs, each seeing its N. More workers than
+GPUs share them, splitting each GPU's memory between their engines. Without GPUs (or
 without NVML) the workers are CPU processes sharing the machine's cores.
 """
 
@@ -13,6 +14,7 @@ import copy
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 import dask
@@ -62,12 +64,24 @@ def fork_workers_from_preloaded_server() -> None:
     pass their workers the current one (LocalLLMCluster's ``env``). Not for GPU workers: CUDA
     and vLLM's engine processes want fresh interpreters."""
     import multiprocessing
+    import multiprocessing.forkserver
+    import signal
 
     from distributed.utils import get_mp_context
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
     get_mp_context()  # distributed's own preload list, set once: replaced by ours
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_IMPORTS))
+    # The server starts now, ignoring SIGINT and SIGTERM as the workers it forks will: a signal
+    # to the whole process group (Ctrl-C, a supervisor's stop) is for the program, which closes
+    # its cluster. A worker would die of it (SIGINT: a traceback each), and the server's death
+    # looks like every worker's to their nannies, which would restart them.
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def warm_tokenizers(models: Iterable[str]) -> None:
@@ -131,7 +145,9 @@ class LocalLLMCluster(LocalCluster):
 
     ``backend`` (torch, vllm, auto) applies to specs that name none. With GPUs each worker
     gets ``gpus_per_worker`` of them (default: the largest ``tensor_parallel_size`` among
-    the specs' options, else 1) through ``CUDA_VISIBLE_DEVICES``.
+    the specs' options, else 1) through ``CUDA_VISIBLE_DEVICES``. ``workers_per_gpu`` workers
+    share each GPU (group) (default: as many as ``n_workers`` needs, else 1), each worker's LLM
+    engines taking ``daskllm.engine.gpu-memory-utilization / workers_per_gpu`` of its memory.
     """
 
     def __init__(self, models: Iterable[str | Mapping | EngineSpec] | None = None, *,
@@ -140,7 +156,7 @@ class LocalLLMCluster(LocalCluster):
                  n_workers: int | None = None, threads_per_worker: int = 4,
                  gpus: Iterable[str] | str | None = "auto", engine_options: Mapping | None = None,
                  placement: str | None = None, backend: str | None = None, gpus_per_worker: int | None = None,
-                 **kwargs):
+                 workers_per_gpu: int | None = None, **kwargs):
         placement = placement or config.get("placement.policy")
         models = [config.get("model")] if models is None else models
         # backend= is the default for specs that name none (else daskllm.engine.backend on the worker)
@@ -153,11 +169,16 @@ class LocalLLMCluster(LocalCluster):
         self.gpus_per_worker = gpus_per_worker or max(int(s.options.get("tensor_parallel_size", 1))
                                                       for s in self.engine_specs)
         if self.gpus:
-            most = len(self.gpus) // self.gpus_per_worker
+            groups = len(self.gpus) // self.gpus_per_worker
+            # Workers sharing a GPU (group) split its memory: fixed now, so a worker started
+            # later (a restart, a scale-up) takes the share it was planned with.
+            self.workers_per_gpu = workers_per_gpu or (1 if n_workers is None else max(1, -(-n_workers // max(1, groups))))
+            most = groups * self.workers_per_gpu
             n_workers = most if n_workers is None else n_workers
             if not 0 < n_workers <= most:
                 raise ValueError(f"n_workers={n_workers} workers of {self.gpus_per_worker} GPU(s) each do not fit "
-                                 f"the visible GPUs {self.gpus}: one worker per {self.gpus_per_worker} GPU(s)")
+                                 f"the visible GPUs {self.gpus}: {self.workers_per_gpu} worker(s) per "
+                                 f"{self.gpus_per_worker} GPU(s) (workers_per_gpu= shares a GPU between more)")
             # vLLM runs its engine core in a child process, which daemonic workers may not
             # have. The nanny reads this when it (re)starts a worker, so it stays set.
             dask.config.set({"distributed.worker.daemon": False})
@@ -191,15 +212,25 @@ class LocalLLMCluster(LocalCluster):
     def new_worker_spec(self):
         if not self.gpus:
             return super().new_worker_spec()
-        taken = {gpu for name in self.worker_spec for gpu in str(name).split(",")}
-        free = [g for g in self.gpus if g not in taken]
-        if len(free) < self.gpus_per_worker:
+        # A worker's name is its devices ("0", "2,3"), with "#k" for the k-th sharing them.
+        taken = Counter(str(name).split("#")[0] for name in self.worker_spec)
+        groups = [",".join(self.gpus[i:i + self.gpus_per_worker])
+                  for i in range(0, len(self.gpus) - self.gpus_per_worker + 1, self.gpus_per_worker)]
+        devices = min(groups, key=lambda g: (taken[g], groups.index(g)))
+        if taken[devices] >= self.workers_per_gpu:
             raise ValueError(f"cannot start another worker of {self.gpus_per_worker} GPU(s): GPUs {self.gpus} "
-                             f"are visible and {sorted(taken)} taken")
-        devices = ",".join(free[:self.gpus_per_worker])
+                             f"are visible, each group taken by {self.workers_per_gpu} worker(s)")
         spec = copy.deepcopy(self.new_spec)
         spec["options"]["env"] = {**spec["options"].get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
-        return {devices: spec}
+        if self.workers_per_gpu > 1:
+            # The nanny sets this config in the worker: its LLM engines take their share of the GPU.
+            share = float(config.get("engine.gpu-memory-utilization", 0.9)) / self.workers_per_gpu
+            spec["options"]["config"] = dask.config.merge(spec["options"].get("config", {}),
+                                                          {"daskllm": {"engine": {"gpu-memory-utilization": share}}})
+        used = {str(name) for name in self.worker_spec}
+        name = devices if self.workers_per_gpu == 1 else next(
+            f"{devices}#{k}" for k in range(self.workers_per_gpu + len(used)) if f"{devices}#{k}" not in used)
+        return {name: spec}
 
     # --- keeping every worker slot filled -------------------------------------------------
 
