@@ -13,7 +13,7 @@ from daskllm.serve.openai_api import APIError
 
 
 def completion(**body):
-    return api.completion_calls(api.CompletionRequest(model="tiny", **body), default_max_tokens=16)
+    return api.completion_calls(api.CompletionRequest(model="tiny", **body))
 
 
 def test_a_list_of_prompts_is_one_call_each_and_token_ids_stay_ids():
@@ -32,6 +32,37 @@ def test_defaults_follow_openai():
     assert chat.options["max_tokens"] == 512 and chat.kind == "chat"
 
 
+def test_n_choices_greedy_copies_seeded_draws_and_indices():
+    greedy = completion(prompt="x", n=3, temperature=0, seed=5)
+    assert [c.index for c in greedy] == [0, 1, 2] and len({c.id for c in greedy}) == 1
+    assert all(c.options == greedy[0].options for c in greedy)  # equal calls: computed once
+    seeded = completion(prompt="x", n=3, temperature=0.8, seed=7)
+    assert [c.options["seed"] for c in seeded] == [7, 8, 9]  # reproducible; the first is the n=1 draw
+    assert [c.options["seed"] for c in completion(prompt="x", n=2, temperature=0.8)] == [None, None]
+    two_prompts = completion(prompt=["a", "b"], n=2)
+    assert [(c.index, c.prompt.segments) for c in two_prompts] == [
+        (0, (Text("a"),)), (1, (Text("a"),)), (2, (Text("b"),)), (3, (Text("b"),))]
+    assert len({c.id for c in two_prompts}) == 1
+    chat = api.chat_calls(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, seed=1))
+    assert [(c.index, c.options["seed"]) for c in chat] == [(0, 1), (1, 2)]
+    results = [api.Result("a", [1], "eos", [9]), api.Result("b", [2, 3], "length", [9])]
+    body = api.chat_response(chat, results, str)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "stop"), (1, "b", "length")]
+    assert body["usage"]["completion_tokens"] == 3 and body["usage"]["prompt_tokens"] == 2
+    assert api.chunk(chat[1], "x")["choices"][0]["index"] == 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"top_logprobs": 2}, "top_logprobs"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"), ({"n": 0}, "n"),
+])
+def test_chat_fields_are_refused_by_name(body, param):
+    with pytest.raises(APIError) as error:
+        api.chat_calls(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], **body))
+    assert error.value.param == param and param in str(error.value)
+
+
 def test_logit_bias_of_100_restricts_tokens_and_extensions_pass_through():
     (call,) = completion(prompt="x", logit_bias={"7": 100, "3": 100}, allowed_token_ids=[9],
                          structured_outputs={"choice": ["yes", "no"]}, ignore_eos=False, priority=2,
@@ -42,7 +73,8 @@ def test_logit_bias_of_100_restricts_tokens_and_extensions_pass_through():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"n": 2}, "n"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"n": 0}, "n"), ({"n": api.MAX_N + 1}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": -100}}, "logit_bias"),
     ({"logit_bias": {"x": 100}}, "logit_bias"), ({"logprobs": 50}, "logprobs"),
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
@@ -80,6 +112,51 @@ def test_responses_carry_usage_finish_reasons_and_token_ids():
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                              "prompt_tokens_details": {"cached_tokens": 2}}
     assert api.chunk(call, "x", "length")["choices"][0]["finish_reason"] == "length"
+
+
+def test_embedding_inputs_texts_and_token_ids():
+    def inputs(value, **body):
+        return api.EmbeddingRequest(model="m", input=value, **body).inputs()
+
+    assert inputs("a") == ["a"] and inputs(["a", "b"]) == ["a", "b"]
+    assert inputs([101, 7592, 102]) == [[101, 7592, 102]] and inputs([[1, 2], [3]]) == [[1, 2], [3]]
+    for bad in ([], [""], [[1], []], [-1]):
+        with pytest.raises(APIError) as error:
+            inputs(bad)
+        assert error.value.param == "input"
+    for bad in (5, [1, "a"], [[1], "a"], {"text": "a"}, [True]):
+        with pytest.raises(ValueError, match="a list of lists of token ids"):
+            api.EmbeddingRequest(model="m", input=bad)
+    with pytest.raises(APIError) as error:
+        inputs("a", dimensions=0)
+    assert error.value.param == "dimensions"
+    assert api.embedding_response("m", [np.ones(2)], prompt_tokens=7)["usage"] == {"prompt_tokens": 7,
+                                                                                 "total_tokens": 7}
+
+
+def test_dimensions_shorten_matryoshka_models_only():
+    from daskllm.serve.embeddings import Embedder, shortened
+
+    plain, trained, sizes = Embedder("m", 256, False), Embedder("m", 256, True), Embedder("m", 256, (64, 128))
+    for embedder in (plain, trained, sizes):
+        embedder.check(None, 384)
+        embedder.check(384, 384)  # the model's own size is always fine
+    for embedder, dimensions in ((plain, 128), (sizes, 100), (trained, 500), (trained, 0)):
+        with pytest.raises(APIError) as error:
+            embedder.check(dimensions, 384)
+        assert error.value.param == "dimensions" and "dimensions" in str(error.value)
+    trained.check(100, 384)
+    sizes.check(128, 384)
+    vector = np.arange(1, 385, dtype=np.float32)
+    (short,) = shortened([vector / np.linalg.norm(vector)], 128)
+    assert short.shape == (128,) and np.linalg.norm(short) == pytest.approx(1.0)
+    assert short == pytest.approx(vector[:128] / np.linalg.norm(vector[:128]))
+    assert shortened([vector], None)[0] is vector
+
+
+def test_models_are_what_the_routes_serve():
+    held = {"llm": ["tiny"], "embed": ["all-MiniLM-L6-v2"], "rerank": ["all-MiniLM-L6-v2", "bge-reranker"]}
+    assert [m["id"] for m in api.models_response(held)["data"]] == ["all-MiniLM-L6-v2", "tiny"]
 
 
 def test_base64_embeddings_are_little_endian_float32():
@@ -143,7 +220,7 @@ def test_tool_responses_and_streamed_deltas():
 
     call = tool_chat()
     result = api.Result('<tool_call>{"name": "now", "arguments": {}}</tool_call>', [1, 2], "eos", [3])
-    choice = api.chat_response(call, result, str)["choices"][0]
+    choice = api.chat_response([call], [result], str)["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
     # Streamed: content goes out while it cannot be a call; the call comes whole at the end.
@@ -179,3 +256,46 @@ def test_chat_content_is_literal_text():
     """Braces in a message are text, not template fields."""
     call = api.chat_call(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": 'Say {"a": 1}'}]))
     assert call.prompt.chat == (("user", (Text('Say {"a": 1}'),)),)
+
+
+def test_a_response_request_is_the_chat_of_its_instructions_and_input():
+    from daskllm.serve import responses_api as responses
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    req = responses.ResponsesRequest(model="tiny", instructions="Be brief.", max_output_tokens=9, temperature=0,
+                                     input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+                                     text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    call = responses.call(req)
+    chat = api.chat_call(api.ChatRequest(model="tiny", max_tokens=9, temperature=0,
+                                         messages=[{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "Hi"}],
+                                         response_format={"type": "json_schema", "json_schema": {"schema": schema}}))
+    assert call.prompt == chat.prompt and call.options == chat.options
+    plain = responses.call(responses.ResponsesRequest(model="tiny", input="Hi"))
+    assert plain.prompt.chat == (("user", (Text("Hi"),)),) and plain.options["max_tokens"] == api.CHAT_MAX_TOKENS
+    result = api.Result('{"city": "Par', [1, 2], "length", [3, 4, 5], cached_tokens=2)
+    body = responses.body(req, call, result)
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["content"] == [{"type": "output_text", "text": '{"city": "Par', "annotations": []}]
+    assert body["usage"]["input_tokens"] == 3 and body["usage"]["output_tokens"] == 2
+    events = responses.Events(req, call)
+    kinds = [e["type"] for e in [*events.start(), events.delta("{"), *events.finish(result)]]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.incomplete"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": []}, "input"), ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_what_a_response_cannot_do_is_refused_by_name(body, param):
+    from daskllm.serve import responses_api as responses
+
+    with pytest.raises(APIError) as error:
+        responses.call(responses.ResponsesRequest(model="tiny", **{"input": "Hi", **body}))
+    assert error.value.param == param

@@ -62,7 +62,7 @@ class EmbedEngine:
         if num_threads:
             compute.set_num_threads(int(num_threads))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.max_length, self.pooling, self.normalize = _sentence_transformers_config(path)
+        self.max_length, self.pooling, self.normalize = sentence_transformers_config(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         self._tokenizer = tokenizer.backend_tokenizer
         self._tokenizer.no_padding()
@@ -144,7 +144,7 @@ class EmbedEngine:
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
 
 
-def _sentence_transformers_config(path: pathlib.Path) -> tuple[int, str, bool]:
+def sentence_transformers_config(path: pathlib.Path) -> tuple[int, str, bool]:
     """(max tokens, pooling, normalize) from a sentence-transformers directory, else defaults."""
     max_length = 512
     raw = _read_json(path / "config.json")

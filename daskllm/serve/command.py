@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -20,7 +21,8 @@ from daskllm.worker import resident_models
 @click.option("--model", "models", multiple=True,
               help="LLM the workers hold (repeatable; default: daskllm.model). With --scheduler: what the "
                    "cluster's workers already hold is served, and --model is not needed.")
-@click.option("--embedder", "embedders", multiple=True, help="Embedding model for /v1/embeddings (repeatable).")
+@click.option("--embedder", "embedders", multiple=True,
+              help=f"Embedding model for /v1/embeddings (repeatable; default: {DEFAULT_EMBEDDING_MODEL}).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on (0.0.0.0: every interface; then set --api-key).")
 @click.option("--port", default=8000, show_default=True, help="Port (0: a free one, printed at start).")
@@ -35,7 +37,8 @@ from daskllm.worker import resident_models
 @click.option("--max-batch", default=256, show_default=True, help="Most requests planned together.")
 @click.option("--no-consolidate", is_flag=True, help="Plan and submit each request alone (for comparison).")
 @click.option("--pipelines", is_flag=True,
-              help="Serve the reference pipelines at /v1/pipelines/NAME (a source checkout; adds the default embedder).")
+              help="Serve the reference pipelines at /v1/pipelines/NAME (a source checkout; they search with the default "
+                   "embedder).")
 @click.option("--dashboard-address", default=DASHBOARD_ADDRESS, show_default=True,
               help="The local cluster's dashboard.")
 @click.option("--access-log/--no-access-log", default=None,
@@ -43,17 +46,16 @@ from daskllm.worker import resident_models
                    "(default: the config key daskllm.serve.access-log, true).")
 def serve_command(models, embedders, host, port, n_workers, threads_per_worker, scheduler, api_key, window,
                   max_batch, no_consolidate, pipelines, dashboard_address, access_log):
-    """Serve LLMs over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
-    /v1/models), with requests consolidated into joint plans on a Dask cluster."""
+    """Serve LLMs over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/responses,
+    /v1/embeddings, /v1/models), with requests consolidated into joint plans on a Dask cluster."""
     if access_log is None:
         access_log = bool(config.get("serve.access-log", True))
     _log_to_stderr(access_log)
-    if pipelines and not embedders:
-        embedders = (DEFAULT_EMBEDDING_MODEL,)
     cluster = None
     if scheduler is None:
-        cluster = LocalLLMCluster(models=list(models) or None, embedders=list(embedders), n_workers=n_workers,
-                                  threads_per_worker=threads_per_worker, dashboard_address=dashboard_address)
+        cluster = LocalLLMCluster(models=list(models) or None, embedders=list(embedders) or [DEFAULT_EMBEDDING_MODEL],
+                                  n_workers=n_workers, threads_per_worker=threads_per_worker,
+                                  dashboard_address=dashboard_address)
     try:
         with Client(cluster if cluster is not None else scheduler) as client:
             if cluster is not None:
@@ -64,6 +66,9 @@ def serve_command(models, embedders, host, port, n_workers, threads_per_worker, 
     finally:
         if cluster is not None:
             cluster.close()
+        # The process exits next: its objects need no more collection passes, which with torch's
+        # and transformers' modules loaded make the interpreter's exit take seconds.
+        gc.freeze()
 
 
 def _log_to_stderr(access_log: bool) -> None:

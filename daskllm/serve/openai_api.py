@@ -10,6 +10,7 @@ answered with OpenAI's error body. Extensions follow vLLM's spelling where it ha
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import time
 import uuid
@@ -17,12 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from daskllm.prompts import Prompt, Text, as_prompt, chat, tokens
 from daskllm.serve.tools import ToolCall, ToolError, Tools, parse, tools_of
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+# max_tokens when a request gives none: OpenAI's 16 for completions; for a chat (and a
+# response) a bound a small model's answer fits in, where OpenAI's is the context's room.
+COMPLETION_MAX_TOKENS = 16
+CHAT_MAX_TOKENS = 512
+MAX_N = 128  # choices per request: one request cannot fill the engines' queues
 
 
 class APIError(Exception):
@@ -101,8 +108,30 @@ class ChatRequest(_Request):
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    input: str | list[str]
+    # Text, texts, one text's token ids or several texts' (the embedding model's own ids)
+    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, as OpenAI's
+    dimensions: int | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_of_the_shapes(cls, value):
+        ids = lambda x: isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)  # noqa: E731
+        if isinstance(value, str) or ids(value) or (isinstance(value, list) and (
+                all(isinstance(x, str) for x in value) or all(ids(x) for x in value))):
+            return value
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of lists of token ids")
+
+    def inputs(self) -> list[str | list[int]]:
+        """One item per vector asked for: a text or a text's token ids."""
+        raw = self.input
+        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        if not items or not all(items) or any(t < 0 for x in items if isinstance(x, list) for t in x):
+            raise APIError("input must not be empty, nor hold an empty text, an empty list or a negative token id",
+                           param="input")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise APIError(f"dimensions must be at least 1, got {self.dimensions}", param="dimensions")
+        return items
 
 
 class PipelineRequest(BaseModel):
@@ -119,7 +148,7 @@ class PipelineRequest(BaseModel):
 class Call:
     """One request as daskllm runs it: ``generate(prompt, model=model, **options)``."""
 
-    kind: str  # "completion" or "chat"
+    kind: str  # "completion" or "chat" (a Responses API request is a chat)
     model: str
     prompt: Prompt | None  # None: ``messages`` rendered with ``tools`` by the model's template
     options: dict
@@ -131,13 +160,22 @@ class Call:
     deadline_ms: float | None = None
     tools: Tools | None = None
     messages: list[dict] | None = None  # the chat, where the prompt is rendered with tools
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    index: int = 0  # the choice this call answers
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # the request's (its choices share it)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _options(req: _Request, max_tokens: int | None, default_max_tokens: int) -> dict:
-    if req.n != 1:
-        raise APIError("n: only n=1 is supported", param="n")
+def _options(req: _Request, max_tokens: tuple[str, int | None], default_max_tokens: int) -> dict:
+    """``generate``'s options; ``max_tokens`` is (the field that gave it, its value)."""
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    name, limit = max_tokens
+    if limit is not None and limit < 1:
+        raise APIError(f"{name} must be at least 1, got {limit}", param=name)
+    if not req.temperature >= 0:
+        raise APIError(f"temperature must be at least 0, got {req.temperature}", param="temperature")
+    if not 0 < req.top_p <= 1:
+        raise APIError(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise APIError(f"{name}: penalties are not supported", param=name)
@@ -152,7 +190,7 @@ def _options(req: _Request, max_tokens: int | None, default_max_tokens: int) -> 
         except ValueError:
             raise APIError(f"logit_bias: {token!r} is not a token id", param="logit_bias") from None
     options: dict[str, Any] = dict(
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        max_tokens=limit if limit is not None else default_max_tokens,
         temperature=req.temperature, top_p=req.top_p, seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
         ignore_eos=req.ignore_eos, allowed_token_ids=sorted(set(allowed)))
@@ -178,8 +216,8 @@ def _structured(spec: dict) -> dict:
     return {known[given[0]]: value}
 
 
-def completion_calls(req: CompletionRequest, default_max_tokens: int) -> list[Call]:
-    """One call per prompt of a completions request (``prompt`` may be a list of prompts)."""
+def completion_calls(req: CompletionRequest) -> list[Call]:
+    """``n`` calls per prompt of a completions request (``prompt`` may be a list of prompts)."""
     if req.echo:
         raise APIError("echo is not supported", param="echo")
     if req.best_of not in (None, 1):
@@ -188,12 +226,12 @@ def completion_calls(req: CompletionRequest, default_max_tokens: int) -> list[Ca
         raise APIError("suffix is not supported", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError("logprobs must be between 0 and 20", param="logprobs")
-    options = _options(req, req.max_tokens, 16)  # OpenAI's default for completions
+    options = _options(req, ("max_tokens", req.max_tokens), COMPLETION_MAX_TOKENS)
     raw = req.prompt
     prompts: list = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
-    calls = []
+    calls: list[Call] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             prompt = as_prompt(p)
@@ -201,8 +239,25 @@ def completion_calls(req: CompletionRequest, default_max_tokens: int) -> list[Ca
             prompt = tokens(p, req.model)
         else:
             raise APIError(f"prompt[{i}] must be text or a non-empty list of token ids", param="prompt")
-        calls.append(_call("completion", req, prompt, options, req.logprobs))
+        call = _call("completion", req, prompt, options, req.logprobs)
+        if calls:
+            call.id, call.created = calls[0].id, calls[0].created  # one response
+        calls += choices(call, req.n, first=i * req.n)
     return calls
+
+
+def choices(call: Call, n: int, first: int = 0) -> list[Call]:
+    """The ``n`` choices of ``call``, indexed from ``first``. Greedy: n equal calls (they share one
+    computation); sampled, n draws: with a seed, choice i draws with seed + i (reproducible, and
+    the first is the n=1 answer), without one, each its own."""
+    seed, greedy = call.options.get("seed"), call.options.get("temperature") == 0
+    return [dataclasses.replace(call, index=first + i,
+                                options=call.options if seed is None or greedy else {**call.options, "seed": seed + i})
+            for i in range(n)]
+
+
+def chat_calls(req: ChatRequest) -> list[Call]:
+    return choices(chat_call(req), req.n)
 
 
 def chat_call(req: ChatRequest) -> Call:
@@ -228,7 +283,9 @@ def chat_call(req: ChatRequest) -> Call:
         tools = tools_of(req.tools, req.tool_choice, req.parallel_tool_calls)
     except ToolError as exc:
         raise APIError(str(exc), param=exc.param) from None
-    options = _options(req, req.max_completion_tokens or req.max_tokens, 512)
+    limit = ("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None \
+        else ("max_tokens", req.max_tokens)
+    options = _options(req, limit, CHAT_MAX_TOKENS)
     if req.response_format:
         options.update(_response_format(req.response_format))
     if tools is not None and (schema := tools.schema()) is not None:
@@ -238,6 +295,8 @@ def chat_call(req: ChatRequest) -> Call:
         options["schema"] = schema
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError("top_logprobs must be between 0 and 20", param="top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if (tools is None or tools.choice == "none") and not any(m["role"] == "tool" or "tool_calls" in m
                                                              for m in messages):
@@ -327,16 +386,16 @@ def _chat_logprobs(result: Result, detok) -> dict:
 
 
 def completion_response(calls: list[Call], results: list[Result], detok) -> dict:
-    choices = []
-    for i, (call, r) in enumerate(zip(calls, results)):
-        choice = {"index": i, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+    out = []
+    for call, r in zip(calls, results):
+        choice = {"index": call.index, "text": r.text, "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
                   "logprobs": _completion_logprobs(r, call.logprobs, detok) if call.logprobs is not None else None}
         if call.return_token_ids:
             choice.update(token_ids=r.token_ids, prompt_token_ids=r.prompt_token_ids)
-        choices.append(choice)
+        out.append(choice)
     first = calls[0]
     return {"id": f"cmpl-{first.id}", "object": "text_completion", "created": first.created, "model": first.model,
-            "choices": choices, "usage": usage(results)}
+            "choices": out, "usage": usage(results)}
 
 
 def finish_reason(result: Result, called: bool) -> str:
@@ -346,19 +405,25 @@ def finish_reason(result: Result, called: bool) -> str:
     return FINISH.get(result.finish_reason, result.finish_reason)
 
 
-def chat_response(call: Call, r: Result, detok) -> dict:
+def chat_response(calls: list[Call], results: list[Result], detok) -> dict:
+    first = calls[0]
+    return {"id": f"chatcmpl-{first.id}", "object": "chat.completion", "created": first.created,
+            "model": first.model, "choices": [_chat_choice(c, r, detok) for c, r in zip(calls, results)],
+            "usage": usage(results)}
+
+
+def _chat_choice(call: Call, r: Result, detok) -> dict:
     message: dict = {"role": "assistant", "content": r.text}
     calls: list[ToolCall] = []
     if call.tools is not None:
         message["content"], calls = parse(call.tools, r.text)
         if calls:
             message["tool_calls"] = [c.as_dict() for c in calls]
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason(r, bool(calls)),
+    choice = {"index": call.index, "message": message, "finish_reason": finish_reason(r, bool(calls)),
               "logprobs": _chat_logprobs(r, detok) if call.logprobs is not None else None}
     if call.return_token_ids:
         choice.update(token_ids=r.token_ids, prompt_token_ids=r.prompt_token_ids)
-    return {"id": f"chatcmpl-{call.id}", "object": "chat.completion", "created": call.created, "model": call.model,
-            "choices": [choice], "usage": usage([r])}
+    return choice
 
 
 def chunk(call: Call, delta: str | dict | None, finish_reason: str | None = None, *, first: bool = False) -> dict:
@@ -371,20 +436,20 @@ def chunk(call: Call, delta: str | dict | None, finish_reason: str | None = None
         else:
             message = {"role": "assistant", "content": delta or ""} if first else ({"content": delta} if delta else {})
         return {"id": f"chatcmpl-{call.id}", "object": "chat.completion.chunk", "created": call.created,
-                "model": call.model, "choices": [{"index": 0, "delta": message, "finish_reason": finish,
+                "model": call.model, "choices": [{"index": call.index, "delta": message, "finish_reason": finish,
                                                    "logprobs": None}]}
     return {"id": f"cmpl-{call.id}", "object": "text_completion", "created": call.created, "model": call.model,
-            "choices": [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": call.index, "text": delta or "", "finish_reason": finish, "logprobs": None}]}
 
 
-def usage_chunk(call: Call, result: Result) -> dict:
+def usage_chunk(call: Call, results: list[Result]) -> dict:
     body = chunk(call, None)
     body["choices"] = []
-    body["usage"] = usage([result])
+    body["usage"] = usage(results)
     return body
 
 
-def embedding_response(model: str, vectors, encoding_format: str = "float") -> dict:
+def embedding_response(model: str, vectors, encoding_format: str = "float", prompt_tokens: int = 0) -> dict:
     def encoded(v):
         if encoding_format == "base64":  # what the openai client asks for by default
             return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
@@ -392,9 +457,14 @@ def embedding_response(model: str, vectors, encoding_format: str = "float") -> d
 
     return {"object": "list", "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def models_response(names: list[str]) -> dict:
+SERVED = ("llm", "embed")  # engine kinds a route serves: the LLM routes' and /v1/embeddings' (no reranking route)
+
+
+def models_response(held: dict[str, list[str]]) -> dict:
+    """``/v1/models``: what the routes serve, of what the workers hold (engine kind -> names)."""
+    names = sorted({m for kind in SERVED for m in held.get(kind, ())})
     return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "daskllm"}
                                        for n in names]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -47,9 +46,11 @@ def run(service: Service, *, host: str = "127.0.0.1", port: int = 8000, api_key:
         on_started: Callable[[str], None] = print, log_level: str = "warning", access_log: bool = True) -> None:
     """Serve until interrupted (SIGINT/SIGTERM), then return: the caller closes its cluster.
 
-    uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default
-    action would then kill the process before the caller's cleanup, orphaning its workers."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn re-raises the signal that stopped it once it has shut down: here it does nothing
+    more, so the caller's cleanup comes next rather than a KeyboardInterrupt's traceback, or
+    SIGTERM's default death, which would orphan the workers."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     sock = bind(host, port)
     url = base_url(sock)
     # uvicorn's own access log is off: the app's has the model, tokens and request id.

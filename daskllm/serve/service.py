@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
+
 from daskllm import config
 from daskllm.api import embed, generate
 from daskllm.plan.items import prompt_calls
@@ -23,6 +25,7 @@ from daskllm.prompts import tokenizer_for, tokens
 from daskllm.retrieval import ShardedIndex
 from daskllm.runtime.view import take_view
 from daskllm.serve.consolidate import Consolidator
+from daskllm.serve.embeddings import Embedder, shortened
 from daskllm.serve.openai_api import APIError, Call, PipelineRequest, Result
 from daskllm.serve.relay import StreamRelay
 from daskllm.serve.tools import ToolError, render
@@ -114,7 +117,8 @@ class Service:
         node = self.node(call)
         ids = self.prompt_ids(node)
         order = self.consolidator.order_key(call.priority, call.deadline_ms, time.monotonic())
-        async for item in self.relay.stream(call.id, call.model, ids, node.params["sampling"], -order):
+        key = f"{call.id}-{call.index}"  # a choice's own stream
+        async for item in self.relay.stream(key, call.model, ids, node.params["sampling"], -order):
             if isinstance(item, dict):
                 yield Result(item["text"], item["token_ids"], item["finish_reason"], item["prompt_token_ids"],
                              item["logprobs"], item["top_logprobs"], item["cached_tokens"])
@@ -127,12 +131,15 @@ class Service:
 
     # --- embeddings and pipelines -------------------------------------------------------------
 
-    async def embed(self, model: str, texts: list[str]) -> list:
+    async def embed(self, model: str, inputs: list[str | list[int]], dimensions: int | None = None
+                    ) -> tuple[list[np.ndarray], int]:
+        """The vectors of texts or token ids (``dimensions`` long where given), and the tokens embedded."""
         self.check_model(model, "embed")
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise APIError("input must be a non-empty string or a list of non-empty strings", param="input")
-        vectors = await self.consolidator.run(embed(list(texts), model=model))
-        return list(vectors)
+        embedder = Embedder.of(model)
+        texts = embedder.texts(inputs)
+        vectors = list(await self.consolidator.run(embed(texts, model=model)))
+        embedder.check(dimensions, len(vectors[0]))
+        return shortened(vectors, dimensions), embedder.tokens(texts)
 
     async def pipeline(self, name: str, req: PipelineRequest):
         if name not in self.pipelines:
