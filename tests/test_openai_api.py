@@ -137,7 +137,7 @@ def test_embedding_inputs_texts_and_token_ids():
 def test_dimensions_shorten_matryoshka_models_only():
     from daskllm.serve.embeddings import Embedder, shortened
 
-    plain, trained, sizes = Embedder("m", 256, False), Embedder("m", 256, True), Embedder("m", 256, (64, 128))
+    plain, trained, sizes = Embedder("m", False), Embedder("m", True), Embedder("m", (64, 128))
     for embedder in (plain, trained, sizes):
         embedder.check(None, 384)
         embedder.check(384, 384)  # the model's own size is always fine

@@ -145,9 +145,11 @@ def test_embeddings_of_token_ids_dimensions_and_usage(client, url):
     other than its 384 is a 400 naming the field."""
     import numpy as np
 
-    tokenizer = daskllm.prompts.tokenizer_for("all-MiniLM-L6-v2")
+    from transformers import AutoTokenizer
+
     texts = ["How do I read a CSV file?", "Parse JSON in Python"]
-    ids = [list(tokenizer.encode(t, True)) for t in texts]
+    ids = AutoTokenizer.from_pretrained(daskllm.models.resolve("all-MiniLM-L6-v2"))(texts)["input_ids"]
+    assert [len(i) for i in ids] == [11, 8]  # [CLS] ... [SEP]: what the engine embeds, no padding
     by_text = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
     by_ids = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids)
     one = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids[0], dimensions=384)

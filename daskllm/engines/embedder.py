@@ -55,18 +55,14 @@ class EmbedEngine:
     def __init__(self, model: str | os.PathLike = "all-MiniLM-L6-v2", *, name: str | None = None,
                  device: str | None = None, max_batch_tokens: int = 16384, num_threads: int | None = None,
                  backend: str = "torch", **_ignored):
-        from transformers import AutoTokenizer
-
         self.path = path = models.resolve(model)
         self.name = name or models.model_name(model)
         if num_threads:
             compute.set_num_threads(int(num_threads))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_length, self.pooling, self.normalize = sentence_transformers_config(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path, self.max_length)
         self._tokenizer = tokenizer.backend_tokenizer
-        self._tokenizer.no_padding()
-        self._tokenizer.enable_truncation(self.max_length)
         if backend == "vllm":
             from daskllm.engines.vllm import PoolingModel  # vLLM only on the workers that use it
 
@@ -142,6 +138,17 @@ class EmbedEngine:
             states = self._encoder.forward(batch)
             pooled = torch.stack([s[0] if self.pooling == "cls" else s.mean(dim=0) for s in states])
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
+
+
+def load_tokenizer(path: pathlib.Path, max_length: int):
+    """An encoder's tokenizer as its engine tokenizes: each text alone (no padding, which some
+    encoders' tokenizer files switch on), cut at ``max_length`` tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.backend_tokenizer.no_padding()
+    tokenizer.backend_tokenizer.enable_truncation(max_length)
+    return tokenizer
 
 
 def sentence_transformers_config(path: pathlib.Path) -> tuple[int, str, bool]:

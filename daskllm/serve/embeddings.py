@@ -13,54 +13,52 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from daskllm.engines.embedder import sentence_transformers_config
+from daskllm.engines.embedder import load_tokenizer, sentence_transformers_config
 from daskllm.models import resolve
-from daskllm.prompts import tokenizer_for
 from daskllm.serve.openai_api import APIError
 
 
 @dataclass(frozen=True)
 class Embedder:
-    """An embedding model as the server sees it: its tokenizer, sequence limit and Matryoshka sizes."""
+    """An embedding model as the server sees it: its Matryoshka sizes, and its tokenizer as its
+    engine tokenizes (each text alone, cut at the model's limit)."""
 
     model: str
-    limit: int  # tokens the engine embeds of a text (the rest is cut, as sentence-transformers does)
     matryoshka: bool | tuple[int, ...]  # False: no shortening; True: any size; a tuple: these sizes
+    tokenizer: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     @functools.cache
     def of(cls, model: str) -> Embedder:
         path = resolve(model)
-        limit = sentence_transformers_config(path)[0]
         try:
             config = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             config = {}
         sizes = config.get("matryoshka_dimensions")
         matryoshka = tuple(sizes) if sizes else bool(config.get("is_matryoshka"))
-        return cls(model, limit, matryoshka)
+        return cls(model, matryoshka, load_tokenizer(path, sentence_transformers_config(path)[0]))
 
     def texts(self, inputs: list[str | list[int]]) -> list[str]:
         """Each input as the text the engine embeds: token ids decoded by the model's tokenizer."""
-        tokenizer = tokenizer_for(self.model).tokenizer
         out = []
         for i, item in enumerate(inputs):
             if isinstance(item, list):
-                if max(item) >= len(tokenizer):
+                if max(item) >= len(self.tokenizer):
                     raise APIError(f"input[{i}]: token id {max(item)} is not in {self.model}'s vocabulary of "
-                                   f"{len(tokenizer)}", param="input")
-                item = tokenizer.decode(item, skip_special_tokens=True)
+                                   f"{len(self.tokenizer)}", param="input")
+                item = self.tokenizer.decode(item, skip_special_tokens=True)
             out.append(item)
         return out
 
     def tokens(self, texts: list[str]) -> int:
         """Tokens the engine embeds of ``texts`` (the response's usage)."""
-        encode = tokenizer_for(self.model).encode
-        return sum(min(len(encode(t, True)), self.limit) for t in texts)
+        return sum(len(e.ids) for e in self.tokenizer.backend_tokenizer.encode_batch(texts))
 
     def check(self, dimensions: int | None, size: int) -> None:
         """A 400 naming ``dimensions`` unless this model gives vectors of that size (its own is ``size``)."""
