@@ -66,6 +66,7 @@ from engine import FIRST_TOKEN, Prompts, _median, _plural, measure_decode, measu
 from machine import log, machine_info
 
 from daskllm import config, models
+from daskllm.engines import sizing
 from daskllm.engines.protocol import SamplingParams
 
 EXACT_LENGTHS = (20, 300)  # prompt lengths in the exactness check
@@ -252,7 +253,7 @@ def engine_kwargs(args, nano: dict) -> dict:
              [args.exact_prefix_tokens + EXACT_LENGTHS[1] + EXACT_TOKENS] * (args.exact_prompts + 1)]
     kv_tokens = max(sum(-(-n // block) + 1 for n in lengths) for lengths in needs) * block
     wanted = {"device": args.device, "dtype": args.dtype,
-              "kv_cache_tokens": args.kv_cache_tokens or max(kv_tokens, config.get("engine.kv-cache-tokens")),
+              "kv_cache_tokens": args.kv_cache_tokens or max(kv_tokens, sizing.CPU["kv-cache-tokens"]),
               "max_num_seqs": args.max_num_seqs or max(*args.batch_sizes, args.prefill_batch, args.nano_seqs,
                                                        args.exact_prompts),
               "max_num_batched_tokens": args.max_num_batched_tokens or (8192 if args.device.startswith("cuda")

@@ -15,15 +15,16 @@ import math
 
 from distributed import SchedulerPlugin
 
-from daskllm import config
+from daskllm.engines import sizing
 
 
 class AdaptiveTarget(SchedulerPlugin):
     name = "daskllm-adaptive"
 
     def __init__(self, requests_per_worker: int | None = None):
-        # An engine batches up to max-num-seqs sequences a step; beyond, requests wait.
-        self.requests_per_worker = int(requests_per_worker or config.get("engine.max-num-seqs"))
+        # An engine batches up to max-num-seqs sequences a step; beyond, requests wait. The
+        # scheduler does not know its workers' devices: auto counts a CPU engine's batch.
+        self.requests_per_worker = sizing.limit(requests_per_worker, "max-num-seqs", on_cpu=True)
 
     async def start(self, scheduler) -> None:
         dask_target = scheduler.adaptive_target

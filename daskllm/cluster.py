@@ -223,10 +223,12 @@ class LocalLLMCluster(LocalCluster):
         spec = copy.deepcopy(self.new_spec)
         spec["options"]["env"] = {**spec["options"].get("env", {}), "CUDA_VISIBLE_DEVICES": devices}
         if self.workers_per_gpu > 1:
-            # The nanny sets this config in the worker: its LLM engines take their share of the GPU.
+            # The nanny sets this config in the worker (its top-level keys replace this
+            # process's, so the whole daskllm section): its LLM engines take their share.
             share = float(config.get("engine.gpu-memory-utilization", 0.9)) / self.workers_per_gpu
-            spec["options"]["config"] = dask.config.merge(spec["options"].get("config", {}),
-                                                          {"daskllm": {"engine": {"gpu-memory-utilization": share}}})
+            daskllm_config = dask.config.merge(dask.config.get("daskllm"),
+                                               {"engine": {"gpu-memory-utilization": share}})
+            spec["options"]["config"] = {**spec["options"].get("config", {}), "daskllm": daskllm_config}
         used = {str(name) for name in self.worker_spec}
         name = devices if self.workers_per_gpu == 1 else next(
             f"{devices}#{k}" for k in range(self.workers_per_gpu + len(used)) if f"{devices}#{k}" not in used)

@@ -244,7 +244,7 @@ def test_environment_variables_set_daskllm_config_as_documented():
                            ["model", "engine.kv-cache-tokens", "rewrite.granularity", "rewrite.passes"])
     assert got == ["tiny", 8192, "query", ["cse", "cache", "prune", "parts", "prefix", "pipeline", "stage"]]
     # Without them: the defaults (the model users get is smollm2).
-    assert _config_in_child({}, ["model", "engine.kv-cache-tokens"]) == ["smollm2", 32768]
+    assert _config_in_child({}, ["model", "engine.kv-cache-tokens"]) == ["smollm2", "auto"]
 
 
 # ---------------------------------------------------------------------------------------------

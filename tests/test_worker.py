@@ -132,6 +132,44 @@ def test_one_worker_per_gpu_with_its_own_visible_device(tiny_model_dir, monkeypa
 
 
 @pytest.mark.slow  # worker processes
+def test_two_workers_share_a_gpu_and_split_its_memory(tiny_model_dir, restore_dask_config):
+    with LocalLLMCluster(models=["tiny"], embedders=(), rerankers=(), gpus=["0"], n_workers=2,
+                         dashboard_address="127.0.0.1:0", threads_per_worker=1,
+                         engine_options={"kv_cache_tokens": 1024}) as cluster, Client(cluster) as client:
+        assert cluster.workers_per_gpu == 2
+        client.wait_for_workers(2, timeout=120)
+        names = {w["name"] for w in client.scheduler_info()["workers"].values()}
+        assert names == {"0#0", "0#1"}
+        assert set(client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"]).values()) == {"0"}
+        shares = client.run(lambda: dask.config.get("daskllm.engine.gpu-memory-utilization"))
+        assert sorted(shares.values()) == [0.45, 0.45]
+        assert all(m == ["tiny"] for m in resident_models(client).values())
+        with pytest.raises(ValueError, match="each group taken by 2 worker"):
+            cluster.scale(3)
+    with pytest.raises(ValueError, match=r"1 worker\(s\) per 1 GPU\(s\) \(workers_per_gpu="):
+        LocalLLMCluster(models=["tiny"], gpus=["0"], workers_per_gpu=1, n_workers=2)
+
+
+def test_llm_engines_of_a_worker_split_its_gpu_share(monkeypatch):
+    """Two LLMs in one worker each take half its gpu-memory-utilization; one takes it whole
+    (from the config); embedders and rerankers are not given a share."""
+    import importlib
+
+    host_module = importlib.import_module("daskllm.worker.host")
+
+    loaded = {}
+    monkeypatch.setattr(EngineSpec, "load", lambda self, **options: loaded.setdefault((self.kind, self.model), options))
+    monkeypatch.setattr(EngineSpec, "resolved_backend", lambda self: "torch")
+    with dask.config.set({"daskllm.engine.gpu-memory-utilization": 0.8}):
+        host_module._load_all(EngineSpec.expand(["tiny", "small"], ["all-MiniLM-L6-v2"], []), {})
+        assert loaded[("llm", "tiny")]["gpu_memory_utilization"] == loaded[("llm", "small")]["gpu_memory_utilization"] == 0.4
+        assert "gpu_memory_utilization" not in loaded[("embed", "all-MiniLM-L6-v2")]
+        loaded.clear()
+        host_module._load_all(EngineSpec.expand(["tiny"], [], []), {})
+        assert "gpu_memory_utilization" not in loaded[("llm", "tiny")]
+
+
+@pytest.mark.slow  # worker processes
 def test_tensor_parallel_models_get_a_group_of_gpus_per_worker(tiny_model_dir, restore_dask_config):
     with LocalLLMCluster(models=["tiny"], embedders=(), rerankers=(), gpus=["0", "1", "2", "3"], gpus_per_worker=2,
                          dashboard_address="127.0.0.1:0", threads_per_worker=1,
@@ -139,8 +177,8 @@ def test_tensor_parallel_models_get_a_group_of_gpus_per_worker(tiny_model_dir, r
         visible = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
         assert sorted(visible.values()) == ["0,1", "2,3"]
         assert all(m == ["tiny"] for m in resident_models(client).values())
-    with pytest.raises(ValueError, match="2 GPU"):
-        LocalLLMCluster(models=["tiny"], gpus=["0", "1", "2"], gpus_per_worker=2, n_workers=2)
+    with pytest.raises(ValueError, match="2 GPU"):  # a second worker would have to share: not asked for
+        LocalLLMCluster(models=["tiny"], gpus=["0", "1", "2"], gpus_per_worker=2, n_workers=2, workers_per_gpu=1)
     # a spec's tensor_parallel_size sets the group size
     with pytest.raises(ValueError, match="3 GPU"):
         LocalLLMCluster(models=[{"model": "tiny", "options": {"tensor_parallel_size": 3}}], gpus=["0", "1"])

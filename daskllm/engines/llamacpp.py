@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from daskllm import config, models
+from daskllm.engines import sizing
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
 from daskllm.engines.protocol import CacheState, EngineStats, PrefillHandle, RequestError
 from daskllm.engines.scheduler import Sequence, queue_by_priority
@@ -125,9 +126,9 @@ class LlamaCppEngine(SteppingEngine):
         self.path = models.resolve_gguf(model)
         self.name = name or models.model_name(model)
         self.block_size = block_size or config.get("engine.block-size")
-        kv_cache_tokens = kv_cache_tokens or config.get("engine.kv-cache-tokens")
-        self.max_num_seqs = min(max_num_seqs or config.get("engine.max-num-seqs"), MAX_SLOTS)
-        self.max_num_batched_tokens = max(max_num_batched_tokens or config.get("engine.max-num-batched-tokens"),
+        kv_cache_tokens = sizing.limit(kv_cache_tokens, "kv-cache-tokens", on_cpu=True)
+        self.max_num_seqs = min(sizing.limit(max_num_seqs, "max-num-seqs", on_cpu=True), MAX_SLOTS)
+        self.max_num_batched_tokens = max(sizing.limit(max_num_batched_tokens, "max-num-batched-tokens", on_cpu=True),
                                           self.max_num_seqs)
         threads = int(num_threads or config.get("engine.num-threads") or os.cpu_count() or 1)
 

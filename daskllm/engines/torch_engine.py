@@ -16,7 +16,7 @@ import time
 import torch
 
 from daskllm import config, models
-from daskllm.engines import compute
+from daskllm.engines import compute, sizing
 from daskllm.engines.cuda_graphs import DecodeGraphs
 from daskllm.engines.kv_cache import BlockManager
 from daskllm.engines.llama import LlamaModel, StepInput
@@ -40,14 +40,12 @@ class TorchEngine(SteppingEngine):
                  kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, num_threads: int | None = None,
                  batch_invariant: bool | None = None, cuda_graphs: bool | None = None, backend: str | None = None,
-                 prefill_chunk_tokens: int | str | None = None, long_prefill_tokens: int | str | None = None):
+                 prefill_chunk_tokens: int | str | None = None, long_prefill_tokens: int | str | None = None,
+                 gpu_memory_utilization: float | None = None):
         path = models.resolve(model)
         self.name = name or models.model_name(model)
         self.path = path
         self.block_size = block_size or config.get("engine.block-size")
-        kv_cache_tokens = kv_cache_tokens or config.get("engine.kv-cache-tokens")
-        max_num_seqs = max_num_seqs or config.get("engine.max-num-seqs")
-        max_num_batched_tokens = max_num_batched_tokens or config.get("engine.max-num-batched-tokens")
         num_threads = num_threads or config.get("engine.num-threads")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = _resolve_dtype(dtype or config.get("engine.dtype"), device)
@@ -55,13 +53,23 @@ class TorchEngine(SteppingEngine):
         # this engine's threads, where its CUDA graphs are captured and replayed.
         on_cpu = torch.device(device).type == "cpu"
         self._compute = compute.run if on_cpu else _inline
+        # Limits that follow the device (engines/sizing.py): a GPU batches wider.
+        max_num_seqs = sizing.limit(max_num_seqs, "max-num-seqs", on_cpu)
+        max_num_batched_tokens = sizing.limit(max_num_batched_tokens, "max-num-batched-tokens", on_cpu)
+        kv_cache_tokens = sizing.limit(kv_cache_tokens, "kv-cache-tokens", on_cpu)
         if num_threads:
             compute.set_num_threads(int(num_threads))
 
         if batch_invariant is None:
             batch_invariant = config.get("engine.batch-invariant", True)
+        allocated = 0 if on_cpu else torch.cuda.memory_allocated(device)
         self.model = self._compute(LlamaModel, path, device=device, dtype=dtype,
                                    batch_invariant=bool(batch_invariant), backend=backend)
+        if kv_cache_tokens == "auto":  # a GPU's: what its memory holds beside the weights
+            weights = torch.cuda.memory_allocated(device) - allocated
+            kv_cache_tokens = self._kv_cache_tokens_for_memory(
+                weights, max_num_batched_tokens, max_num_seqs,
+                gpu_memory_utilization or config.get("engine.gpu-memory-utilization", 0.9))
         self.max_model_len = self.model.config.max_model_len
         self.vocab_size = self.model.config.vocab_size
         self._load_tokenizer(path)
@@ -86,6 +94,23 @@ class TorchEngine(SteppingEngine):
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self._start_loop(eos, EngineStats(cache_blocks_total=num_blocks))
+
+    def _kv_cache_tokens_for_memory(self, weights: int, step_tokens: int, step_seqs: int, utilization: float) -> int:
+        c, device = self.model.config, self.model.device
+        free, total = torch.cuda.mem_get_info(device)
+        memory = sizing.DeviceMemory(total=total, free=free, weights=weights)
+        dtype_bytes = torch.empty((), dtype=self.model.dtype).element_size()
+        activations = sizing.step_activation_bytes(
+            c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size,
+            max(step_tokens, step_seqs), step_seqs, dtype_bytes)
+        tokens = sizing.kv_cache_tokens_for(memory, utilization=float(utilization), activations=activations,
+                                            bytes_per_token=2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes,
+                                            block_size=self.block_size)
+        if tokens < self.block_size:
+            raise ValueError(sizing.no_room(self.name, memory, utilization, activations))
+        logger.info("engine %r: KV cache of %d tokens (%.1f GiB) from gpu-memory-utilization %s", self.name, tokens,
+                    tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes / (1 << 30), utilization)
+        return tokens
 
     def __repr__(self) -> str:
         return (f"<TorchEngine {self.name!r} on {self.model.device} ({str(self.model.dtype).removeprefix('torch.')}), "

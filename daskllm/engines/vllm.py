@@ -203,7 +203,7 @@ class VLLMEngine(BatchingEngine):
     def __init__(self, model: str | os.PathLike, *, name: str | None = None, block_size: int | None = None,
                  kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.9, dtype: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float | None = None, dtype: str = "auto", max_model_len: int | None = None,
                  load_format: str | None = None, seed: int = 0, kv_events: bool = True,
                  enforce_eager: bool = False, batch_invariant: bool = False, num_threads: int | None = None,
                  device: str | None = None, **engine_args):
@@ -237,7 +237,8 @@ class VLLMEngine(BatchingEngine):
         args = dict(
             model=str(path), tokenizer=str(path), served_model_name=self.name, block_size=self.block_size,
             enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, max_model_len=self.max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization or config.get("engine.gpu-memory-utilization", 0.9),
+            dtype=dtype, max_model_len=self.max_model_len,
             seed=seed, enforce_eager=enforce_eager,
             # Logprobs of the distribution after allowed_token_ids and penalties, as the torch engine reports.
             logprobs_mode="processed_logprobs",

@@ -32,6 +32,7 @@ from distributed.core import Status
 from distributed.diagnostics import nvml
 from distributed.worker import thread_state
 
+from daskllm import config
 from daskllm.engines import KINDS, Engine, EngineSpec
 from daskllm.engines.protocol import gather_requests
 from daskllm.models import is_cross_encoder, model_name, resolve
@@ -259,10 +260,17 @@ _loading = threading.Lock()
 
 def _load_all(specs: Iterable[EngineSpec], defaults: Mapping | None) -> dict[str, dict[str, Engine]]:
     engines: dict[str, dict[str, Engine]] = {kind: {} for kind in KINDS}
+    specs = list(specs)
+    # LLM engines on a GPU split the worker's share of its memory (vLLM's and the torch
+    # engine's gpu_memory_utilization); embedders and rerankers are small beside them.
+    on_gpu = [s for s in specs if s.kind == "llm" and s.resolved_backend() in ("torch", "vllm")]
+    share = float(config.get("engine.gpu-memory-utilization", 0.9)) / max(1, len(on_gpu))
     try:
         for spec in sorted(specs, key=lambda s: KINDS.index(s.kind)):
             try:
                 options = dict(defaults or {})
+                if len(on_gpu) > 1 and any(spec is s for s in on_gpu):
+                    options.setdefault("gpu_memory_utilization", share)
                 if spec.kind == "rerank" and not is_cross_encoder(resolve(spec.model)):
                     path = resolve(spec.model)
                     shared = next((e for e in engines["embed"].values() if e.path == path), None)
