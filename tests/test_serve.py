@@ -330,7 +330,7 @@ def test_the_command_needs_its_key_embeds_by_default_and_stops_cleanly(daskllm_c
     """`daskllm serve` in a subprocess of its own process group: needs its key, serves the default
     embedder with no --embedder, logs each request on stderr, and a SIGINT or SIGTERM to the whole
     group (a terminal's Ctrl-C, a supervisor's stop) ends every process of it, exit status 0, with
-    no traceback (the time it took is printed: 0.6-0.8 s for the server, 2.8-3.5 s for the group
+    no traceback (the time it took is printed: 0.6-0.8 s for the server, 2.8-3.8 s for the group
     on this 2-core machine under load)."""
     import time
 
