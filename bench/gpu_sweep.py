@@ -1,39 +1,49 @@
-"""The papers' pipelines on a GPU: daskllm against op-wise and plain Dask, as one command.
+"""The papers' pipelines on a GPU: daskllm against op-wise and plain Dask at full width, as two commands.
 
-    python bench/gpu_sweep.py --out $OUT                    # everything (longer than one 10-minute command)
-    python bench/gpu_sweep.py --parts 3 --part 1 --out $OUT --deadline 560   # a third of it
-    python bench/gpu_sweep.py --only-64 --out $OUT          # the 17 pipelines at 64 queries only
-    python bench/gpu_sweep.py --dry-run --parts 3           # the plan: every harness call, per part
-    python bench/gpu_sweep.py --report-only --merge part1/ part2/ part3/ --out all/   # one report from parts
-    python bench/gpu_sweep.py --quick --out /tmp/sweep      # on the CPU: tiny, 4 and 8 queries, 3 pipelines
+    python bench/gpu_sweep.py --calls small --deadline 320 --out $OUT         # command 1: 17 pipelines at 64
+    python bench/gpu_sweep.py --calls large,shared --deadline 320 --out $OUT  # command 2: 256 queries; 2 workers
+    python bench/gpu_sweep.py --dry-run                      # the plan: every harness call and its command
+    python bench/gpu_sweep.py --report-only --merge one/ two/ --out all/    # one report from both commands
+    python bench/gpu_sweep.py --quick --out /tmp/sweep       # on the CPU: tiny, 4 and 8 queries, 3 pipelines
 
-What it runs: all 17 reference pipelines (docs/pipelines.md) at ``--queries-small`` (64)
-queries, and w2, mapred, naive_rag and factool at ``--queries-large`` (256), each under the
-systems ``opwise``, ``dask`` and ``daskllm``, model ``--model`` (llama-1b), one worker of
-``--threads`` (16) Dask threads, by calling ``bench/harness.py`` once per group of pipelines
-(a subprocess with its own cluster, killed with its workers after ``--call-timeout``
-seconds), so each call stays short. ``--parts N --part K`` runs the K-th of N parts (groups
-spread over parts by an estimated cost), ``--only-64`` / ``--only-256`` one query size.
+What it runs, each call one ``bench/harness.py`` process with one cluster (each model built,
+the index built and the engines calibrated once per call; a subprocess killed with its workers
+after ``--call-timeout`` seconds or what is left of ``--deadline``):
 
-What it writes in ``--out``: per call ``q<queries>-<group>.json`` (the harness's ``--json``),
-``.md`` (its table), ``.log`` (its progress) and ``.call.json`` (the command, exit status,
-wall time and the machine: device, torch/transformers/triton/dask versions); then, merged
-over every call found in ``--out`` and the ``--merge`` folders (the latest per pipeline and
-query size), ``sweep.json`` and ``sweep.md``: the calls with their exact commands, one row per
-pipeline and query size (op-wise, Dask and daskllm wall seconds, the baselines' time over
-daskllm's, daskllm's efficiency, exactness of every system) and the issue's targets, each
-met, not met or incomplete (not every pipeline it needs measured yet):
+- ``small``: all 17 reference pipelines (docs/pipelines.md) at ``--queries-small`` (64), one
+  worker of ``--threads`` (16) Dask threads;
+- ``large``: w2, mapred, naive_rag and factool at ``--queries-large`` (256), the same worker;
+- ``shared``: the prefix-heavy mapred, debate, trading and w4 at ``--queries-small`` on two
+  workers sharing the GPU (``--workers-per-gpu 2``: each engine half the memory), daskllm
+  against the harness's ``-placement`` (plain Dask placement): cache- and load-aware placement
+  measured on a GPU.
+
+``small`` and ``large`` run ``daskllm`` first, then the full-width baselines ``opwise`` and
+``dask`` (every ready call dispatched; ``--held`` adds ``opwise-held`` and ``dask-held``, the
+thread-capped baselines of earlier measurements). The harness rewrites its JSON after every
+run and warms up on ``--warmup-queries`` (16) queries, so a call cut short still leaves each
+finished pipeline's rows, daskllm's first.
+
+What it writes in ``--out``: per call ``<call>.json`` (the harness's ``--json``), ``.md`` (its
+table), ``.log`` (its progress) and ``.call.json`` (the command, exit status, wall time and the
+machine: device, torch/transformers/triton/dask versions); then, merged over every call found
+in ``--out`` and the ``--merge`` folders (the latest per pipeline, query size and call kind),
+``sweep.json`` and ``sweep.md``: the calls with their exact commands, one row per pipeline and
+query size (each system's wall seconds and mean engine batch, the baselines' time over
+daskllm's, daskllm's efficiency, exactness), the shared-GPU rows, and the targets, each met, not
+met or incomplete (not every pipeline it needs measured yet):
 
 - every output exact on every pipeline (every system returned the first run's tokens);
-- at 64 queries over the 17 pipelines, daskllm >= 2x (geometric mean) over plain Dask and
-  over op-wise, and no pipeline below 1.0x of either;
-- at 256 queries, >= 2x over each baseline on w2, mapred, naive_rag and factool, and
-  daskllm's efficiency >= 0.7 on w2 and mapred.
+- at 64 queries over the 17 pipelines, daskllm >= 1.5x (geometric mean) over each full-width
+  baseline, and no pipeline below 1.0x of either;
+- at 256 queries, >= 1.5x over each baseline on w2, mapred, naive_rag and factool, and
+  daskllm's mean engine batch >= 200;
+- daskllm's efficiency >= 0.7 on w2 and mapred at 256 queries, >= 0.4 on every RAG pipeline at 64;
+- two workers on one GPU: daskllm >= 1.2x over ``-placement`` on mapred and trading.
 
-The report is rewritten after every call, so a command cut short still leaves one. Exit
-status 1 if any output is not exact, 2 if a call failed, timed out or was skipped by
-``--deadline`` (and every output found was exact), else 0: unmet speed targets are reported,
-not failures.
+The report is rewritten after every call. Exit status 1 if any output is not exact, 2 if a
+call failed, timed out or was skipped by ``--deadline`` (and every output found was exact),
+else 0: unmet speed targets are reported, not failures.
 """
 
 from __future__ import annotations
@@ -52,24 +62,18 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HARNESS = "bench/harness.py"
-SYSTEMS = ("opwise", "dask", "daskllm")
+SYSTEMS = ("daskllm", "opwise", "dask")  # daskllm first: a call cut short still has its runs
+HELD = ("opwise-held", "dask-held")  # the thread-capped baselines (--held)
 REFERENCE = ("naive_rag", "advanced_rag", "w1", "w2", "w3", "w4", "w5", "w6", "mapred", "debate", "reflect",
              "iterative", "parallel", "trading", "factool", "corrective_rag", "adaptive_rag")
 LARGE = ("w2", "mapred", "naive_rag", "factool")  # the pipelines measured at the large query size
 EFFICIENT = ("w2", "mapred")  # efficiency >= 0.7 at the large query size
-# One harness call per group: a cluster, the index and the engines' calibration are paid once per call.
-GROUPS_SMALL = {"rag": ("naive_rag", "advanced_rag", "corrective_rag", "adaptive_rag"),
-                "halo": ("w1", "w2", "w3", "w4", "w5", "w6"),
-                "helium1": ("mapred", "debate", "reflect", "iterative"),
-                "helium2": ("parallel", "trading"),
-                "alto": ("factool",)}
-GROUPS_LARGE = {"w2-mapred": ("w2", "mapred"), "naive_rag": ("naive_rag",), "factool": ("factool",)}
-# Relative cost per pipeline (op-wise + Dask + daskllm seconds in docs/benchmarks.md's CPU run at
-# 12 queries), scaled by the query count: only to balance parts.
-COST = {"naive_rag": 32, "advanced_rag": 44, "w1": 24, "w2": 17, "w3": 13, "w4": 23, "w5": 12, "w6": 17,
-        "mapred": 38, "debate": 44, "reflect": 24, "iterative": 31, "parallel": 82, "trading": 110,
-        "factool": 89, "corrective_rag": 23, "adaptive_rag": 18}
-TARGET_SPEEDUP, TARGET_FLOOR, TARGET_EFFICIENCY = 2.0, 1.0, 0.7
+RAG = ("naive_rag", "advanced_rag", "corrective_rag", "adaptive_rag")  # efficiency >= 0.4 at the small size
+SHARED = ("mapred", "debate", "trading", "w4")  # prefix-heavy: two workers sharing the GPU
+SHARED_TARGETS = ("mapred", "trading")  # daskllm >= 1.2x over -placement there
+CALLS = ("small", "large", "shared")
+TARGET_SPEEDUP, TARGET_FLOOR, TARGET_BATCH = 1.5, 1.0, 200
+TARGET_EFFICIENCY, TARGET_RAG_EFFICIENCY, TARGET_PLACEMENT = 0.7, 0.4, 1.2
 QUICK_PIPELINES = ("w2", "naive_rag", "factool")
 
 
@@ -91,14 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--queries-small", type=int, default=64, help="queries for every pipeline")
     p.add_argument("--queries-large", type=int, default=256, help=f"queries for {', '.join(LARGE)}")
     p.add_argument("--pipelines", default=None, help="comma-separated subset of the reference pipelines")
-    only = p.add_mutually_exclusive_group()
-    only.add_argument("--only-small", "--only-64", dest="only", action="store_const", const="small",
-                      help="only the calls at --queries-small")
-    only.add_argument("--only-large", "--only-256", dest="only", action="store_const", const="large",
-                      help="only the calls at --queries-large")
-    p.add_argument("--one-call", action="store_true", help="one harness call per query size, not per group")
-    p.add_argument("--parts", type=int, default=1, help="split the calls into this many parts ...")
-    p.add_argument("--part", type=int, default=None, help="... and run this one (1-based; default: all)")
+    p.add_argument("--calls", default=",".join(CALLS), help=f"which calls, comma-separated from {', '.join(CALLS)}")
+    p.add_argument("--held", action="store_true", help=f"also the thread-capped baselines {', '.join(HELD)}")
+    p.add_argument("--warmup-queries", type=int, default=16, help="queries of the harness's warm-up run per pipeline")
     p.add_argument("--call-timeout", type=float, default=540, help="seconds per harness call")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds for this whole command: each call's timeout shrinks to fit, and calls "
@@ -107,21 +106,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--harness-args", default="", help="more harness options, one string (e.g. '--source stdlib')")
     p.add_argument("--merge", nargs="*", default=[], help="more folders of earlier calls to report on")
     p.add_argument("--report-only", action="store_true", help="run nothing: report on --out and --merge")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (calls, parts, commands) and stop")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (calls and commands) and stop")
     p.add_argument("--quick", action="store_true",
                    help=f"a CPU try: tiny, 4 and 8 queries, 4 tokens, an index of 200 passages, "
-                        f"{', '.join(QUICK_PIPELINES)}, one call per query size, 4 threads")
+                        f"{', '.join(QUICK_PIPELINES)}, 4 threads, the small and large calls")
     if p.parse_args(argv).quick:  # new defaults: options given explicitly still win
         p.set_defaults(model="tiny", queries_small=4, queries_large=8, max_tokens=4, index_docs=200, threads=4,
-                       repeats=1, one_call=True, pipelines=",".join(QUICK_PIPELINES))
+                       repeats=1, warmup_queries=4, pipelines=",".join(QUICK_PIPELINES), calls="small,large")
     args = p.parse_args(argv)
     selected = REFERENCE if not args.pipelines else tuple(args.pipelines.split(","))
     unknown = [n for n in selected if n not in REFERENCE]
+    unknown += [c for c in args.calls.split(",") if c not in CALLS]
     if unknown:
-        p.error(f"unknown pipelines {unknown}: choose from {', '.join(REFERENCE)}")
+        p.error(f"unknown pipelines or calls {unknown}: pipelines from {', '.join(REFERENCE)}; "
+                f"calls from {', '.join(CALLS)}")
     args.selected = [n for n in REFERENCE if n in selected]
-    if args.parts < 1 or (args.part is not None and not 1 <= args.part <= args.parts):
-        p.error("--part K needs 1 <= K <= --parts")
+    args.chosen_calls = [c for c in CALLS if c in args.calls.split(",")]
     return args
 
 
@@ -129,38 +129,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def plan(args) -> list[dict]:
-    """Every harness call this sweep makes (before --part selection), in order."""
+    """Every harness call this sweep makes, in order."""
+    kinds = {"small": (args.queries_small, REFERENCE, args.workers, None, SYSTEMS + (HELD if args.held else ())),
+             "large": (args.queries_large, LARGE, args.workers, None, SYSTEMS + (HELD if args.held else ())),
+             "shared": (args.queries_small, SHARED, 2, 2, ("daskllm", "-placement"))}
     calls = []
-    sizes = [("small", args.queries_small, GROUPS_SMALL, REFERENCE), ("large", args.queries_large, GROUPS_LARGE, LARGE)]
-    for size, queries, groups, wanted in sizes:
-        if args.only and args.only != size:
+    for kind in args.chosen_calls:
+        queries, wanted, workers, per_gpu, systems = kinds[kind]
+        names = [n for n in wanted if n in args.selected]
+        if not names:
             continue
-        if args.one_call:
-            groups = {"all": tuple(n for n in REFERENCE if n in wanted)}
-        for group, names in groups.items():
-            names = [n for n in names if n in args.selected]
-            if not names:
-                continue
-            name = f"q{queries}-{group}"
-            cmd = [sys.executable, HARNESS, "--pipelines", ",".join(names), "--systems", ",".join(SYSTEMS),
-                   "--queries", str(queries), "--model", args.model, "--model2", args.model2,
-                   "--workers", str(args.workers), "--threads", str(args.threads),
-                   "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-                   "--index-docs", str(args.index_docs), *shlex.split(args.harness_args),
-                   "--json", str(pathlib.Path(args.out).resolve() / f"{name}.json")]
-            calls.append({"name": name, "size": size, "queries": queries, "pipelines": names, "argv": cmd,
-                          "command": shlex.join(cmd), "cost": sum(COST[n] for n in names) * queries / 64})
+        name = f"q{queries}-{kind}"
+        cmd = [sys.executable, HARNESS, "--pipelines", ",".join(names), "--systems", ",".join(systems),
+               "--queries", str(queries), "--model", args.model, "--model2", args.model2,
+               "--workers", str(workers), *(["--workers-per-gpu", str(per_gpu)] if per_gpu else []),
+               "--threads", str(args.threads), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+               "--warmup-queries", str(args.warmup_queries), "--index-docs", str(args.index_docs),
+               *shlex.split(args.harness_args), "--json", str(pathlib.Path(args.out).resolve() / f"{name}.json")]
+        calls.append({"name": name, "kind": kind, "queries": queries, "pipelines": names, "argv": cmd,
+                      "command": shlex.join(cmd)})
     return calls
-
-
-def split(calls: list[dict], parts: int) -> list[list[dict]]:
-    """Calls spread over parts, the costliest first onto the least loaded part; plan order kept within a part."""
-    load, assigned = [0.0] * parts, [[] for _ in range(parts)]
-    for i, call in sorted(enumerate(calls), key=lambda ic: (-ic[1]["cost"], ic[0])):
-        k = min(range(parts), key=lambda j: (load[j], j))
-        load[k] += call["cost"]
-        assigned[k].append(i)
-    return [[calls[i] for i in sorted(idx)] for idx in assigned]
 
 
 # --- running -------------------------------------------------------------------------------
@@ -284,29 +272,29 @@ def load(folders: list[pathlib.Path]) -> list[dict]:
 
 
 def rows_from(records: list[dict]) -> list[dict]:
-    """One row per pipeline and query size, from the latest call that measured it."""
-    found: dict[tuple[str, int], dict] = {}
+    """One row per pipeline, query size and call kind, from the latest call that measured it
+    (a call cut short: the systems it ran)."""
+    found: dict[tuple[str, int, str], dict] = {}
     for record in records:  # oldest first: later calls replace earlier ones
         harness = record.get("harness")
         if not harness:
             continue
-        queries = harness["args"]["queries"]
+        queries, kind = harness["args"]["queries"], record.get("kind", "small")
         for result in harness["results"]:
             s = result["systems"]
-            found[(result["pipeline"], queries)] = {
-                "pipeline": result["pipeline"], "queries": queries, "call": record["name"],
-                "opwise_s": s["opwise"]["seconds"] if "opwise" in s else None,
-                "dask_s": s["dask"]["seconds"] if "dask" in s else None,
-                "daskllm_s": s["daskllm"]["seconds"],
-                "vs_dask": s["dask"]["vs_daskllm"] if "dask" in s else None,
-                "vs_opwise": s["opwise"]["vs_daskllm"] if "opwise" in s else None,
-                "efficiency": s["daskllm"]["efficiency"],
-                "exact": all(x["exact"] for x in s.values()),
-                "daskllm_mean_batch": s["daskllm"]["mean_batch"], "daskllm_hit_rate": s["daskllm"]["hit_rate"],
-                "daskllm_tasks": s["daskllm"]["tasks"], "dask_tasks": s["dask"]["tasks"] if "dask" in s else None,
-            }
+            if "daskllm" not in s:
+                continue
+            row = {"pipeline": result["pipeline"], "queries": queries, "kind": kind, "call": record["name"],
+                   "efficiency": s["daskllm"]["efficiency"], "exact": all(x["exact"] for x in s.values()),
+                   "daskllm_hit_rate": s["daskllm"]["hit_rate"]}
+            for system, x in s.items():
+                row[f"{system}_s"], row[f"{system}_batch"] = x["seconds"], x["mean_batch"]
+                if system != "daskllm":
+                    row[f"vs_{system}"] = x["vs_daskllm"]
+            found[(result["pipeline"], queries, kind)] = row
     order = {n: i for i, n in enumerate(REFERENCE)}
-    return sorted(found.values(), key=lambda r: (r["queries"], order.get(r["pipeline"], 99)))
+    return sorted(found.values(), key=lambda r: (CALLS.index(r["kind"]) if r["kind"] in CALLS else 9, r["queries"],
+                                                 order.get(r["pipeline"], 99)))
 
 
 def geomean(values: list[float]) -> float:
@@ -322,54 +310,60 @@ def _verdict(measured: int, wanted: int, ok: bool, decided_early: bool = False) 
     return "met" if ok else "not met"
 
 
-def targets(rows: list[dict], records: list[dict], small: int, large: int, selected: list[str]) -> list[dict]:
-    """The issue's targets on the pipelines measured so far (reference sets cut to ``selected``)."""
-    want_small = [n for n in REFERENCE if n in selected]
-    want_large = [n for n in LARGE if n in selected]
-    want_eff = [n for n in EFFICIENT if n in selected]
-    at = {(r["pipeline"], r["queries"]): r for r in rows}
-    s_rows = [at[(n, small)] for n in want_small if (n, small) in at]
-    l_rows = [at[(n, large)] for n in want_large if (n, large) in at]
-    out = []
+def _floor(rows: list[dict], key: str, wanted: list, text: str, bound: float, fmt: str = ".2f", unit: str = "x") -> dict:
+    """Target: every wanted row's ``key`` at least ``bound`` (decided early by one below it)."""
+    vals = [(r[key], r["pipeline"]) for r in rows if r.get(key) is not None and r["pipeline"] in wanted]
+    low = min(vals) if vals else None
+    return {"target": text, "value": (f"min {low[0]:{fmt}}{unit} ({low[1]}); " + ", ".join(
+                f"{n} {v:{fmt}}" for v, n in vals)) if low else "-",
+            "status": _verdict(len(vals), len(wanted), bool(low) and low[0] >= bound,
+                               decided_early=bool(low) and low[0] < bound)}
 
-    inexact = [f"{r['pipeline']}@{r['queries']}" for r in rows if not r["exact"]]
+
+def targets(rows: list[dict], records: list[dict], args) -> list[dict]:
+    """The targets on the pipelines measured so far (reference sets cut to the selected ones)."""
+    sel = args.selected
+    want_small, want_large = [n for n in REFERENCE if n in sel], [n for n in LARGE if n in sel]
+    small = [r for r in rows if r["kind"] == "small"]
+    large = [r for r in rows if r["kind"] == "large"]
+    shared = [r for r in rows if r["kind"] == "shared"]
+    out = []
+    inexact = [f"{r['pipeline']}@{r['queries']}/{r['kind']}" for r in rows if not r["exact"]]
     broken = [r["name"] for r in records if r["status"] not in ("ok", "not exact")
               and not any(row["call"] == r["name"] for row in rows)]
-    out.append({"target": "every output exact on every pipeline (every system, every size)",
+    wanted = len(want_small) * ("small" in args.chosen_calls) + len(want_large) * ("large" in args.chosen_calls)
+    out.append({"target": "every output exact on every pipeline (every system, every call)",
                 "value": f"{sum(r['exact'] for r in rows)} of {len(rows)} exact"
                          + (f"; differ: {', '.join(inexact)}" if inexact else ""),
-                "status": _verdict(len(s_rows) + len(l_rows), len(want_small) + len(want_large),
-                                   not inexact and not broken, decided_early=bool(inexact))})
-    for key, label in (("vs_dask", "plain Dask"), ("vs_opwise", "op-wise")):
-        vals = [r[key] for r in s_rows if r[key]]
+                "status": _verdict(len(small) + len(large), wanted, not inexact and not broken,
+                                   decided_early=bool(inexact))})
+    q_small, q_large = args.queries_small, args.queries_large
+    for baseline, label in (("dask", "plain Dask"), ("opwise", "op-wise")):
+        vals = [r[f"vs_{baseline}"] for r in small if r.get(f"vs_{baseline}")]
         g = geomean(vals) if vals else None
-        out.append({"target": f"{small} queries, {len(want_small)} pipeline(s): daskllm >= {TARGET_SPEEDUP:g}x over "
-                              f"{label} (geometric mean)",
+        out.append({"target": f"{q_small} queries, {len(want_small)} pipeline(s): daskllm >= {TARGET_SPEEDUP:g}x "
+                              f"over {label} at full width (geometric mean)",
                     "value": f"{g:.2f}x over {len(vals)}" if g else "-",
                     "status": _verdict(len(vals), len(want_small), bool(g) and g >= TARGET_SPEEDUP)})
-    def lowest(rows: list[dict], key: str, wanted: list, text: str, bound: float) -> dict:
-        """Target: every row's ``key`` at least ``bound`` (decided early by one below it)."""
-        vals = [(r[key], r["pipeline"]) for r in rows if r[key]]
-        low = min(vals) if vals else None
-        return {"target": text, "value": f"min {low[0]:.2f}x ({low[1]})" if low else "-",
-                "status": _verdict(len(vals), len(wanted), bool(low) and low[0] >= bound,
-                                   decided_early=bool(low) and low[0] < bound)}
-
-    for key, label in (("vs_dask", "plain Dask"), ("vs_opwise", "op-wise")):
-        out.append(lowest(s_rows, key, want_small, f"{small} queries: no pipeline below {TARGET_FLOOR:g}x of {label}",
-                          TARGET_FLOOR))
-    for key, label in (("vs_dask", "plain Dask"), ("vs_opwise", "op-wise")):
-        out.append(lowest(l_rows, key, want_large,
-                          f"{large} queries, {', '.join(want_large)}: each >= {TARGET_SPEEDUP:g}x over {label}",
+    for baseline, label in (("dask", "plain Dask"), ("opwise", "op-wise")):
+        out.append(_floor(small, f"vs_{baseline}", want_small,
+                          f"{q_small} queries: no pipeline below {TARGET_FLOOR:g}x of {label}", TARGET_FLOOR))
+    for baseline, label in (("dask", "plain Dask"), ("opwise", "op-wise")):
+        out.append(_floor(large, f"vs_{baseline}", want_large,
+                          f"{q_large} queries, {', '.join(want_large)}: each >= {TARGET_SPEEDUP:g}x over {label}",
                           TARGET_SPEEDUP))
-    if want_eff:
-        vals = [(at[(n, large)]["efficiency"], n) for n in want_eff
-                if (n, large) in at and at[(n, large)]["efficiency"] is not None]
-        low = min(vals) if vals else None
-        out.append({"target": f"{large} queries, {', '.join(want_eff)}: daskllm's efficiency >= {TARGET_EFFICIENCY:g}",
-                    "value": ", ".join(f"{n} {v:.2f}" for v, n in vals) or "-",
-                    "status": _verdict(len(vals), len(want_eff), bool(low) and low[0] >= TARGET_EFFICIENCY,
-                                       decided_early=bool(low) and low[0] < TARGET_EFFICIENCY)})
+    out.append(_floor(large, "daskllm_batch", want_large,
+                      f"{q_large} queries: daskllm's mean engine batch >= {TARGET_BATCH}", TARGET_BATCH, ".0f", ""))
+    out.append(_floor(large, "efficiency", [n for n in EFFICIENT if n in sel],
+                      f"{q_large} queries, {', '.join(EFFICIENT)}: daskllm's efficiency >= {TARGET_EFFICIENCY:g}",
+                      TARGET_EFFICIENCY, ".2f", ""))
+    out.append(_floor(small, "efficiency", [n for n in RAG if n in sel],
+                      f"{q_small} queries, the RAG pipelines: daskllm's efficiency >= {TARGET_RAG_EFFICIENCY:g}",
+                      TARGET_RAG_EFFICIENCY, ".2f", ""))
+    if "shared" in args.chosen_calls:
+        out.append(_floor(shared, "vs_-placement", [n for n in SHARED_TARGETS if n in sel],
+                          f"two workers on one GPU, {', '.join(SHARED_TARGETS)}: daskllm >= {TARGET_PLACEMENT:g}x "
+                          f"over -placement", TARGET_PLACEMENT))
     return out
 
 
@@ -380,23 +374,41 @@ def _f(v, fmt: str) -> str:
 def markdown(report: dict) -> str:
     s = report["settings"]
     machines = list(dict.fromkeys(machine_line(r["machine"]) for r in report["calls"] if r.get("machine")))
-    lines = ["# GPU sweep: the papers' pipelines, daskllm against op-wise and plain Dask", ""]
+    lines = ["# GPU sweep: the papers' pipelines, daskllm against op-wise and plain Dask at full width", ""]
     lines += [f"Machine: {m}" for m in machines] or ["Machine: -"]
     lines += ["", f"Model `{s['model']}` (second model `{s['model2']}`), {s['workers']} worker(s) x {s['threads']} "
-              f"threads, {s['max_tokens']} tokens per call, {s['repeats']} repetition(s) (median), index of "
-              f"{s['index_docs']} passages. vs X = X's wall time / daskllm's in the same repetition (above 1: "
-              "daskllm faster); efficiency = daskllm's ideal time / its actual time.", "",
+              f"threads (the shared call: 2 workers on one GPU), {s['max_tokens']} tokens per call, {s['repeats']} "
+              f"repetition(s) (median), index of {s['index_docs']} passages. vs X = X's wall time / daskllm's in the "
+              "same repetition (above 1: daskllm faster); batch = the engines' mean batch; efficiency = daskllm's "
+              "ideal time / its actual time.", "",
               "| call | queries | pipelines | status | wall s | device | harness command |",
               "|---|---|---|---|---|---|---|"]
     for r in report["calls"]:
         lines.append(f"| {r['name']} | {r['queries']} | {', '.join(r['pipelines'])} | {r['status']} | "
                      f"{r['seconds']:.0f} | {(r.get('machine') or {}).get('device', '-')} | `{r['command']}` |")
-    lines += ["", "| pipeline | queries | op-wise s | Dask s | daskllm s | vs Dask | vs op-wise | efficiency | exact |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in report["rows"]:
-        lines.append(f"| {r['pipeline']} | {r['queries']} | {_f(r['opwise_s'], '.2f')} | {_f(r['dask_s'], '.2f')} | "
-                     f"{r['daskllm_s']:.2f} | {_f(r['vs_dask'], '.2f')} | {_f(r['vs_opwise'], '.2f')} | "
-                     f"{_f(r['efficiency'], '.2f')} | {'yes' if r['exact'] else 'NO'} |")
+    rows = [r for r in report["rows"] if r["kind"] != "shared"]
+    held = any("opwise-held_s" in r for r in rows)
+    extra = list(HELD) if held else []
+    lines += ["", "| pipeline | queries | daskllm s (batch) | op-wise s (batch) | Dask s (batch) | "
+              + "".join(f"{h} s (batch) | " for h in extra)
+              + "vs Dask | vs op-wise | " + "".join(f"vs {h} | " for h in extra) + "efficiency | exact |",
+              "|---|---|---|---|---|" + "---|" * (2 * len(extra)) + "---|---|---|---|"]
+    for r in rows:
+        cells = [f"{_f(r.get(f'{x}_s'), '.2f')} ({_f(r.get(f'{x}_batch'), '.0f')})"
+                 for x in ("daskllm", "opwise", "dask", *extra)]
+        ratios = [_f(r.get(f"vs_{x}"), ".2f") for x in ("dask", "opwise", *extra)]
+        lines.append(f"| {r['pipeline']} | {r['queries']} | " + " | ".join(cells + ratios)
+                     + f" | {_f(r['efficiency'], '.2f')} | {'yes' if r['exact'] else 'NO'} |")
+    shared = [r for r in report["rows"] if r["kind"] == "shared"]
+    if shared:
+        lines += ["", "Two workers on one GPU (each engine half the memory):", "",
+                  "| pipeline | queries | daskllm s (batch) | -placement s (batch) | vs -placement | hit rate | exact |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in shared:
+            lines.append(f"| {r['pipeline']} | {r['queries']} | {_f(r.get('daskllm_s'), '.2f')} "
+                         f"({_f(r.get('daskllm_batch'), '.0f')}) | {_f(r.get('-placement_s'), '.2f')} "
+                         f"({_f(r.get('-placement_batch'), '.0f')}) | {_f(r.get('vs_-placement'), '.2f')} | "
+                         f"{_f(r['daskllm_hit_rate'], '.2f')} | {'yes' if r['exact'] else 'NO'} |")
     lines += ["", "| target | measured | status |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {t['status']} |" for t in report["targets"]]
     return "\n".join(lines)
@@ -412,8 +424,7 @@ def build_report(args, folders: list[pathlib.Path]) -> dict:
     settings = {k: getattr(args, k) for k in ("model", "model2", "workers", "threads", "max_tokens", "repeats",
                                               "index_docs", "queries_small", "queries_large")}
     settings["pipelines"] = args.selected
-    return {"settings": settings, "calls": calls, "rows": rows,
-            "targets": targets(rows, calls, args.queries_small, args.queries_large, args.selected),
+    return {"settings": settings, "calls": calls, "rows": rows, "targets": targets(rows, calls, args),
             "exact": all(r["exact"] for r in rows),
             "complete": all(r["status"] in ("ok", "not exact") for r in calls)}
 
@@ -431,21 +442,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
     calls = plan(args)
-    parts = split(calls, args.parts)
-    chosen = calls if args.part is None else parts[args.part - 1]
     if args.dry_run:
-        for k, part in enumerate(parts, 1):
-            print(f"part {k} of {args.parts} (cost {sum(c['cost'] for c in part):.0f}):")
-            for c in part:
-                print(f"  {c['name']}: {c['command']}")
+        for c in calls:
+            print(f"{c['name']}: {c['command']}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         start = time.perf_counter()
         machine = probe()
         log(f"machine: {machine_line(machine)}")
-        log(f"running {len(chosen)} harness call(s): {', '.join(c['name'] for c in chosen)}")
-        for call in chosen:
+        log(f"running {len(calls)} harness call(s): {', '.join(c['name'] for c in calls)}")
+        for call in calls:
             timeout = args.call_timeout
             if args.deadline is not None:
                 left = args.deadline - (time.perf_counter() - start) - 5  # 5 s to write the report

@@ -68,9 +68,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="default: daskllm.model (smollm2)")
     parser.add_argument("--model2", default="tiny", help="the second model of two-model pipelines (w3, w5)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers-per-gpu", type=int, default=None,
+                        help="workers sharing each GPU (LocalLLMCluster's workers_per_gpu; default: as --workers needs)")
     parser.add_argument("--threads", type=int, default=8, help="Dask threads per worker")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup-queries", type=int, default=None,
+                        help="queries of the unmeasured daskllm warm-up run per pipeline (default: all; 0: none)")
     parser.add_argument("--source", default="auto", help="questions: auto, stdlib, hotpotqa, parallelqa, movies")
     parser.add_argument("--index-docs", type=int, default=2000, help="documentation passages in the search index")
     parser.add_argument("--quick", action="store_true",
@@ -201,9 +205,14 @@ def ideal_seconds(run: dict, cost: dict[str, dict], workers: int) -> float | Non
 
 
 def bench_pipeline(client, name: str, fn, inputs, config: dict, systems: list[str], repeats: int,
-                   cost: dict, workers: int, attribute: bool = False) -> dict:
+                   cost: dict, workers: int, attribute: bool = False, warmup_queries: int | None = None,
+                   progress=None) -> dict:
+    """Every system's runs of one pipeline, summarized; ``progress(summary)`` after each run, so
+    a benchmark cut short still leaves what it measured."""
     runs: dict[str, list[dict]] = {s: [] for s in systems}
-    run_system("daskllm", fn, inputs, config)  # warm-up, not measured: first-use costs of every code path
+    warmup = len(inputs) if warmup_queries is None else min(warmup_queries, len(inputs))
+    if warmup:  # not measured: first-use costs of every code path
+        run_system("daskllm", fn, inputs if warmup == len(inputs) else inputs.subset(0, warmup), config)
     reference = None
     for r in range(repeats):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
@@ -216,10 +225,20 @@ def bench_pipeline(client, name: str, fn, inputs, config: dict, systems: list[st
             log(f"  {name:15s} {system:11s} {result['seconds']:7.2f} s  tasks {result['tasks']:5d}  "
                 f"hit rate {result['hit_rate']:.2f}  batch {result['mean_batch']:.1f}"
                 f"{'' if result['exact'] else '  OUTPUTS DIFFER'}")
+            if progress is not None:
+                progress(summarize(name, runs, cost, workers, attribute))
+    return summarize(name, runs, cost, workers, attribute)
+
+
+def summarize(name: str, runs: dict[str, list[dict]], cost: dict, workers: int, attribute: bool) -> dict:
+    """Medians per system over the runs so far (a system not run yet is left out; ratios pair
+    repetitions daskllm has run too)."""
     bound = next((r["distinct_prompt_tokens"] for rs in runs.values() for r in rs if r["distinct_prompt_tokens"]), None)
     summary = {}
     for system, rs in runs.items():
         ratios = [r["seconds"] / d["seconds"] for r, d in zip(rs, runs["daskllm"])]
+        if not rs or not ratios:
+            continue
         ideal = [ideal_seconds(r, cost, workers) for r in rs]
         summary[system] = {
             "seconds": statistics.median(r["seconds"] for r in rs),
@@ -341,22 +360,31 @@ def main(argv=None) -> int:
     dask.config.set({"daskllm.metering.prompt-blocks": True})
     log(f"cluster: {args.workers} workers x {args.threads} threads, models {models}")
     results = []
+    cost: dict = {}
+
+    def write(partial: dict | None = None) -> None:
+        """The JSON report as it stands (after every run: a call cut short still leaves its rows)."""
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": {k: v for k, v in vars(args).items()}, "costs": cost,
+                           "results": results + ([partial] if partial else []), "machine": machine_info(),
+                           "command": " ".join(sys.argv)}, f, indent=2, default=str)
+
     with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, threads_per_worker=args.threads,
+                                 workers_per_gpu=args.workers_per_gpu,
                                  dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         inputs = make_inputs(client, args.queries, source=args.source, index_docs=args.index_docs)
-        cost = costs(client, models)
+        cost.update(costs(client, models))
         log(f"engine costs (best of workers): {json.dumps(cost)}")
         for name in args.pipeline_names:
             config = {"model": args.model, "max_tokens": args.max_tokens,
                       **({"model2": args.model2} if name in TWO_MODELS else {})}
             results.append(bench_pipeline(client, name, registry_[name], inputs, config, args.system_names,
-                                          args.repeats, cost, args.workers, attribute=bool(args.attribution)))
+                                          args.repeats, cost, args.workers, attribute=bool(args.attribution),
+                                          warmup_queries=args.warmup_queries, progress=write))
+            write()
     report = markdown(results, args)
     print(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "costs": cost, "results": results,
-                       "machine": machine_info(), "command": " ".join(sys.argv)}, f, indent=2, default=str)
     if args.plot:
         plot(results, args.plot)
     if args.attribution:

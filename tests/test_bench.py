@@ -121,16 +121,16 @@ def _check_gpu_sweep_report(folder, harness_json):
     import gpu_sweep
     from pipelines import registry
 
-    # its groups name every reference pipeline once
+    # its small call runs every reference pipeline
     assert sorted(gpu_sweep.REFERENCE) == sorted(registry())
-    assert sorted(p for group in gpu_sweep.GROUPS_SMALL.values() for p in group) == sorted(registry())
     folder.mkdir()
     (folder / "q4-all.json").write_text(harness_json.read_text())
     (folder / "q4-all.call.json").write_text(json.dumps(
-        {"name": "q4-all", "status": "ok", "returncode": 0, "json": "q4-all.json", "finished": 1.0, "seconds": 9.0,
+        {"name": "q4-all", "kind": "small", "status": "ok", "returncode": 0, "json": "q4-all.json", "finished": 1.0, "seconds": 9.0,
          "machine": {"device": "cpu"}, "pipelines": ["w2", "adaptive_rag"], "queries": 4,
          "command": "python bench/harness.py --quick"}))
-    argv = ["--report-only", "--pipelines", "w2,adaptive_rag", "--queries-small", "4", "--out", str(folder)]
+    argv = ["--report-only", "--pipelines", "w2,adaptive_rag", "--queries-small", "4", "--calls", "small",
+            "--out", str(folder)]
     assert gpu_sweep.main(argv) == 0
     report = json.loads((folder / "sweep.json").read_text())
     assert [(r["pipeline"], r["queries"]) for r in report["rows"]] == [("w2", 4), ("adaptive_rag", 4)]
@@ -138,10 +138,15 @@ def _check_gpu_sweep_report(folder, harness_json):
         assert row["exact"] is True
         assert all(row[k] > 0 for k in ("opwise_s", "dask_s", "daskllm_s", "vs_dask", "vs_opwise", "efficiency"))
     status = {t["target"]: t["status"] for t in report["targets"]}
-    assert status["every output exact on every pipeline (every system, every size)"] == "incomplete"  # no large size
+    assert status["every output exact on every pipeline (every system, every call)"] == "met"
     assert set(status.values()) <= {"met", "not met", "incomplete"}
-    assert "| pipeline | queries | op-wise s | Dask s | daskllm s | vs Dask | vs op-wise | efficiency | exact |" \
-        in report["markdown"] and "| w2 | 4 |" in report["markdown"]
+    assert "| pipeline | queries | daskllm s (batch) | op-wise s (batch) | Dask s (batch) | vs Dask | vs op-wise | " \
+           "efficiency | exact |" in report["markdown"] and "| w2 | 4 |" in report["markdown"]
+    # the plan: the small call first, daskllm first in it; the shared call on two workers sharing a GPU
+    plan = {c["kind"]: c["argv"] for c in gpu_sweep.plan(gpu_sweep.parse_args(["--out", str(folder)]))}
+    assert list(plan) == ["small", "large", "shared"]
+    assert plan["small"][plan["small"].index("--systems") + 1].startswith("daskllm,")
+    assert plan["shared"][plan["shared"].index("--workers-per-gpu") + 1] == "2"
     # one system's outputs differing anywhere: the report says so and the exit status is 1
     harness = json.loads((folder / "q4-all.json").read_text())
     harness["results"][0]["systems"]["dask"]["exact"] = False
