@@ -21,8 +21,9 @@ after ``--call-timeout`` seconds or what is left of ``--deadline``):
 ``small`` and ``large`` run ``daskllm`` first, then the full-width baselines ``opwise`` and
 ``dask`` (every ready call dispatched; ``--held`` adds ``opwise-held`` and ``dask-held``, the
 thread-capped baselines of earlier measurements). The harness rewrites its JSON after every
-run and warms up on ``--warmup-queries`` (16) queries, so a call cut short still leaves each
-finished pipeline's rows, daskllm's first.
+run, so a call cut short still leaves each finished pipeline's rows, daskllm's first. Each
+pipeline's unmeasured warm-up runs daskllm on all its queries (``--warmup-queries`` fewer: a
+smaller warm-up leaves daskllm's planner less measured, and its first runs slower).
 
 What it writes in ``--out``: per call ``<call>.json`` (the harness's ``--json``), ``.md`` (its
 table), ``.log`` (its progress) and ``.call.json`` (the command, exit status, wall time and the
@@ -97,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pipelines", default=None, help="comma-separated subset of the reference pipelines")
     p.add_argument("--calls", default=",".join(CALLS), help=f"which calls, comma-separated from {', '.join(CALLS)}")
     p.add_argument("--held", action="store_true", help=f"also the thread-capped baselines {', '.join(HELD)}")
-    p.add_argument("--warmup-queries", type=int, default=16, help="queries of the harness's warm-up run per pipeline")
+    p.add_argument("--warmup-queries", type=int, default=None,
+                   help="queries of the harness's unmeasured warm-up run per pipeline (default: all, as the harness)")
     p.add_argument("--call-timeout", type=float, default=540, help="seconds per harness call")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds for this whole command: each call's timeout shrinks to fit, and calls "
@@ -112,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"{', '.join(QUICK_PIPELINES)}, 4 threads, the small and large calls")
     if p.parse_args(argv).quick:  # new defaults: options given explicitly still win
         p.set_defaults(model="tiny", queries_small=4, queries_large=8, max_tokens=4, index_docs=200, threads=4,
-                       repeats=1, warmup_queries=4, pipelines=",".join(QUICK_PIPELINES), calls="small,large")
+                       repeats=1, pipelines=",".join(QUICK_PIPELINES), calls="small,large")
     args = p.parse_args(argv)
     selected = REFERENCE if not args.pipelines else tuple(args.pipelines.split(","))
     unknown = [n for n in selected if n not in REFERENCE]
@@ -144,7 +146,8 @@ def plan(args) -> list[dict]:
                "--queries", str(queries), "--model", args.model, "--model2", args.model2,
                "--workers", str(workers), *(["--workers-per-gpu", str(per_gpu)] if per_gpu else []),
                "--threads", str(args.threads), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-               "--warmup-queries", str(args.warmup_queries), "--index-docs", str(args.index_docs),
+               *(["--warmup-queries", str(args.warmup_queries)] if args.warmup_queries is not None else []),
+               "--index-docs", str(args.index_docs),
                *shlex.split(args.harness_args), "--json", str(pathlib.Path(args.out).resolve() / f"{name}.json")]
         calls.append({"name": name, "kind": kind, "queries": queries, "pipelines": names, "argv": cmd,
                       "command": shlex.join(cmd)})
