@@ -23,8 +23,9 @@ after ``--call-timeout`` seconds or what is left of ``--deadline``):
 thread-capped baselines of earlier measurements). The harness rewrites its JSON after every
 run, so a call cut short still leaves each finished pipeline's rows, daskllm's first. Each
 pipeline's unmeasured warm-up runs daskllm on all its queries (``--warmup-queries`` fewer, to
-save time; on CPU, factool at 64 queries took daskllm 78 s after a 16-query warm-up and 60 s
-after a full one, in two runs of the same shape: the warm-up's size is part of the method).
+save time; on CPU, factool at 64 queries took daskllm 79.4 s after a 16-query warm-up and
+68.8 s after a full one, back to back, the same 1,732 tasks: the warm-up's size is part of the
+method).
 
 What it writes in ``--out``: per call ``<call>.json`` (the harness's ``--json``), ``.md`` (its
 table), ``.log`` (its progress) and ``.call.json`` (the command, exit status, wall time and the
