@@ -174,3 +174,20 @@ def test_decode_graph_rows_equal_the_eager_forward(tk, micro_model_dir):
     assert logits.shape == (3, 512)
     for i, s in enumerate(seqs):
         assert torch.equal(logits[i], eager[id(s)]), i
+
+
+def test_compiled_kernels_are_kept_beside_the_models(tk, tmp_path, monkeypatch):
+    """The Triton backend points Triton's cache into daskllm.models.cache-dir (a second start
+    where it persists compiles nothing), unless the user set TRITON_CACHE_DIR."""
+    import dask
+    import triton
+
+    from daskllm.engines.backends import TritonBackend
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    with dask.config.set({"daskllm.models.cache-dir": str(tmp_path)}):
+        TritonBackend()
+    assert triton.knobs.cache.dir == str(tmp_path / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    TritonBackend()
+    assert triton.knobs.cache.dir == str(tmp_path / "mine")

@@ -23,6 +23,7 @@ Both read the same KV cache layout: [block, KV head, row in block, d] per layer.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from daskllm import models
 from daskllm.engines.invariant import Linear, pad_rows
 
 PREFILL_TILE = 256  # CPU: query positions per attention call, bounding memory on long prompts
@@ -243,6 +245,10 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, batch_invariant: bool = True):
+        # Compiled kernels are kept beside the built models (daskllm.models.cache-dir), so an
+        # engine started again where that directory persists compiles nothing; a
+        # TRITON_CACHE_DIR the user set wins. Triton reads it when it first compiles.
+        os.environ.setdefault("TRITON_CACHE_DIR", str(models.cache_dir() / "triton"))
         from daskllm.engines import triton_kernels  # fail early, with Triton's own error, where it is missing
 
         self.kernels = triton_kernels
