@@ -27,7 +27,7 @@ from daskllm import config
 
 from daskllm.adaptive import AdaptiveTarget
 from daskllm.dashboard import DashboardPlugin
-from daskllm.engines import EngineSpec
+from daskllm.engines import EngineSpec, sizing
 from daskllm.ledger import UsageLedger
 from daskllm.models import DEFAULT_EMBEDDING_MODEL, resolve
 from daskllm.placement import PlacementPlugin
@@ -225,7 +225,7 @@ class LocalLLMCluster(LocalCluster):
         if self.workers_per_gpu > 1:
             # The nanny sets this config in the worker (its top-level keys replace this
             # process's, so the whole daskllm section): its LLM engines take their share.
-            share = float(config.get("engine.gpu-memory-utilization", 0.9)) / self.workers_per_gpu
+            share = sizing.gpu_memory_utilization() / self.workers_per_gpu
             daskllm_config = dask.config.merge(dask.config.get("daskllm"),
                                                {"engine": {"gpu-memory-utilization": share}})
             spec["options"]["config"] = {**spec["options"].get("config", {}), "daskllm": daskllm_config}

@@ -32,6 +32,12 @@ def limit(value: int | str | None, key: str, on_cpu: bool) -> int | str:
     return (CPU if on_cpu else CUDA).get(key, "auto")
 
 
+def gpu_memory_utilization(value: float | None = None) -> float:
+    """The fraction of a GPU one worker's LLM engines may take: the argument, else
+    ``daskllm.engine.gpu-memory-utilization`` (vLLM's ``gpu_memory_utilization``)."""
+    return float(value or config.get("engine.gpu-memory-utilization"))
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """What the device holds, in bytes, measured after the engine's weights are loaded."""

@@ -69,7 +69,7 @@ class TorchEngine(SteppingEngine):
             weights = torch.cuda.memory_allocated(device) - allocated
             kv_cache_tokens = self._kv_cache_tokens_for_memory(
                 weights, max_num_batched_tokens, max_num_seqs,
-                gpu_memory_utilization or config.get("engine.gpu-memory-utilization", 0.9))
+                sizing.gpu_memory_utilization(gpu_memory_utilization))
         self.max_model_len = self.model.config.max_model_len
         self.vocab_size = self.model.config.vocab_size
         self._load_tokenizer(path)
@@ -103,13 +103,13 @@ class TorchEngine(SteppingEngine):
         activations = sizing.step_activation_bytes(
             c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.vocab_size,
             max(step_tokens, step_seqs), step_seqs, dtype_bytes)
-        tokens = sizing.kv_cache_tokens_for(memory, utilization=float(utilization), activations=activations,
-                                            bytes_per_token=2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes,
-                                            block_size=self.block_size)
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes  # K and V, every layer
+        tokens = sizing.kv_cache_tokens_for(memory, utilization=utilization, activations=activations,
+                                            bytes_per_token=per_token, block_size=self.block_size)
         if tokens < self.block_size:
             raise ValueError(sizing.no_room(self.name, memory, utilization, activations))
         logger.info("engine %r: KV cache of %d tokens (%.1f GiB) from gpu-memory-utilization %s", self.name, tokens,
-                    tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes / (1 << 30), utilization)
+                    tokens * per_token / (1 << 30), utilization)
         return tokens
 
     def __repr__(self) -> str:

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 
 from daskllm import config, models
+from daskllm.engines import sizing
 from daskllm.engines.kv_cache import ROOT_HASH, block_hashes, hash_block
 from daskllm.engines.protocol import (
     BatchingEngine,
@@ -237,7 +238,7 @@ class VLLMEngine(BatchingEngine):
         args = dict(
             model=str(path), tokenizer=str(path), served_model_name=self.name, block_size=self.block_size,
             enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization or config.get("engine.gpu-memory-utilization", 0.9),
+            gpu_memory_utilization=sizing.gpu_memory_utilization(gpu_memory_utilization),
             dtype=dtype, max_model_len=self.max_model_len,
             seed=seed, enforce_eager=enforce_eager,
             # Logprobs of the distribution after allowed_token_ids and penalties, as the torch engine reports.

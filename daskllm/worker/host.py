@@ -32,8 +32,7 @@ from distributed.core import Status
 from distributed.diagnostics import nvml
 from distributed.worker import thread_state
 
-from daskllm import config
-from daskllm.engines import KINDS, Engine, EngineSpec
+from daskllm.engines import KINDS, Engine, EngineSpec, sizing
 from daskllm.engines.protocol import gather_requests
 from daskllm.models import is_cross_encoder, model_name, resolve
 from daskllm.prompts import import_transformers
@@ -264,7 +263,7 @@ def _load_all(specs: Iterable[EngineSpec], defaults: Mapping | None) -> dict[str
     # LLM engines on a GPU split the worker's share of its memory (vLLM's and the torch
     # engine's gpu_memory_utilization); embedders and rerankers are small beside them.
     on_gpu = [s for s in specs if s.kind == "llm" and s.resolved_backend() in ("torch", "vllm")]
-    share = float(config.get("engine.gpu-memory-utilization", 0.9)) / max(1, len(on_gpu))
+    share = sizing.gpu_memory_utilization() / max(1, len(on_gpu))
     try:
         for spec in sorted(specs, key=lambda s: KINDS.index(s.kind)):
             try:
