@@ -11,12 +11,16 @@
 #
 # then, there, with .gpu sent along:   OUT=<results dir> bash bench/gpu_check.sh [gpu_engine.py options]
 #
-# 1. bench/gpu_kernel_bits.py: the Triton kernels (matmul, RMSNorm, paged attention) in bf16 and
+# 1. bench/gpu_kernel_bits.py: the Triton kernels (matmul across its decode and prefill
+#    configurations, RMSNorm, paged attention in its decode, split and prefill layouts) in bf16 and
 #    fp32 at 1..512 rows, and exit status 1 if any row's bits differ from the largest batch's;
-# 2. bench/gpu_engine.py in exact mode (the default: batch-invariant kernels, CUDA graphs):
-#    every target, and exit status 1 if any greedy output changes with the batch or a cached prefix;
-# 3. the same with --no-batch-invariant (cuBLAS products), one repetition: the cost of exactness
-#    (its outputs may depend on the batch; that does not fail the check).
+# 2. bench/gpu_matmul_tune.py: candidate tile configurations of every llama-1b projection timed
+#    against cuBLAS and the memory bound, each one's bits against its plan's reference;
+# 3. bench/gpu_engine.py: start-up on empty and warm caches, then exact mode (batch-invariant
+#    kernels, CUDA graphs), --no-batch-invariant (cuBLAS products: what exactness costs) and
+#    transformers side by side in one run: every target, and exit status 1 if any greedy output
+#    of exact mode changes with the batch or a cached prefix.
+# Each step writes its JSON and log under $OUT as it goes, so a run cut short keeps what it measured.
 # The options given to this script go to gpu_engine.py.
 # Tried on CPU with:  PYTHON=.venv/bin/python OUT=/tmp/out bash bench/gpu_check.sh --quick
 set -uo pipefail
@@ -39,10 +43,12 @@ gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA de
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, triton {tv}, {gpu}")
 EOF
 status=0
-timeout "${KERNEL_LIMIT_S:-120}" "$PY" bench/gpu_kernel_bits.py --json "$OUT/kernel_bits.json" \
+timeout "${KERNEL_LIMIT_S:-90}" "$PY" bench/gpu_kernel_bits.py --json "$OUT/kernel_bits.json" \
   2>&1 | tee "$OUT/kernel_bits.log" || status=1
-timeout "${EXACT_LIMIT_S:-330}" "$PY" bench/gpu_engine.py --repeats 2 --json "$OUT/gpu_engine.json" "$@" \
+TUNE_ARGS=()
+[[ " $* " == *" --quick "* ]] && TUNE_ARGS=(--quick)
+timeout "${TUNE_LIMIT_S:-120}" "$PY" bench/gpu_matmul_tune.py "${TUNE_ARGS[@]}" --json "$OUT/matmul_tune.json" \
+  2>&1 | tee "$OUT/matmul_tune.log" || true  # timings: nothing to fail
+timeout "${ENGINE_LIMIT_S:-330}" "$PY" bench/gpu_engine.py --repeats 1 --json "$OUT/gpu_engine.json" "$@" \
   2>&1 | tee "$OUT/gpu_engine.log" || status=1
-timeout "${FAST_LIMIT_S:-200}" "$PY" bench/gpu_engine.py --repeats 1 --no-batch-invariant \
-  --json "$OUT/gpu_engine_fast.json" "$@" 2>&1 | tee "$OUT/gpu_engine_fast.log" || true  # may differ: not exact
 exit $status

@@ -5,7 +5,7 @@
     python bench/gpu_engine.py --no-cuda-graphs --no-batch-invariant   # the engine's other paths
     python bench/gpu_engine.py --quick                          # smoke run: tiny on the CPU, seconds
 
-The systems, on the same model (``--model``, default ``llama-1b``: Llama-3.2-1B's shapes, a
+The systems (``--systems``; on cuda all three by default, on cpu daskllm and transformers), on the same model (``--model``, default ``llama-1b``: Llama-3.2-1B's shapes, a
 16K vocabulary, dummy weights drawn at load), device (``--device``) and dtype (``--dtype``:
 bfloat16 on cuda, float32 on cpu):
 
@@ -13,6 +13,9 @@ bfloat16 on cuda, float32 on cpu):
   max_num_batched_tokens, batch_invariant, cuda_graphs)``. The KV cache and the batch limits
   default to what the largest workload below needs; ``--batch-invariant`` and ``--cuda-graphs``
   default to the engine's configuration (both on).
+* ``daskllm-fast``: the same engine with ``batch_invariant=False`` (cuBLAS products; greedy
+  tokens may then depend on the batch). Beside ``daskllm`` in the same run, its times give
+  what exactness costs (``daskllm-fast / daskllm`` tokens/s).
 * ``transformers``: ``generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`` on a
   left-padded batch (pad = eos), its default attention. A recipe with dummy weights has no
   checkpoint, so the model is built from its config and loaded with ``models.dummy_weights``:
@@ -42,6 +45,10 @@ What it measures (prompts are random token ids in [100, vocab) from a seeded RNG
    (c) shuffled, in 4 groups, each submitted once the engine has stepped twice since the last
    (they join a running batch), and (d) the prompts behind a shared ``--exact-prefix-tokens``
    prefix, all together after ``engine.prefill(prefix)``, against each alone on an empty cache.
+
+6. start-up (``--startup``, on by default on cuda): ``bench/engine_startup.py``'s two fresh
+   processes, ``TorchEngine(model)`` to the first token on empty caches (recipe, Triton) and
+   then on warm ones, before the other measurements load anything.
 
 The copy bandwidth: ``dst.copy_(src)`` of a 1 GiB tensor on the device (256 MiB on cpu),
 best of 5, counting 2 x bytes (read and write). Every repetition runs every measurement on both
@@ -74,12 +81,18 @@ EXACT_TOKENS = 32
 EXACT_GROUPS = 4
 # The targets on a GPU (docs/benchmarks.md): ratio name -> (comparison, value).
 GPU_TARGETS = {
-    "daskllm decode@1 tokens/s": (">=", 600.0),
+    "daskllm decode@1 tokens/s": (">=", 700.0),
     "daskllm / transformers decode@128 tokens/s": (">=", 3.0),
-    "daskllm / transformers prefill tokens/s": (">=", 1.0),
-    "daskllm TTFT cold / warm prefix": (">=", 10.0),
-    "daskllm nano time / memory-traffic bound": ("<=", 2.0),
+    "daskllm / transformers prefill tokens/s": (">=", 0.85),
+    "daskllm warm-prefix TTFT ms": ("<=", 3.0),
+    "daskllm TTFT cold / warm prefix": (">=", 5.0),
+    "daskllm nano time / memory-traffic bound": ("<=", 2.5),
+    "daskllm-fast / daskllm nano tokens/s": ("<=", 1.3),
+    "daskllm-fast / daskllm decode@128 tokens/s": ("<=", 1.3),
+    "daskllm start-up to first token, empty caches s": ("<=", 30.0),
+    "daskllm start-up to first token, warm caches s": ("<=", 10.0),
 }
+SYSTEMS = ("daskllm", "daskllm-fast", "transformers")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,7 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nano-transformers", action="store_true", help="run the nano workload on transformers too (slow)")
     p.add_argument("--exact-prompts", type=int, default=64, help="prompts in the exactness check")
     p.add_argument("--exact-prefix-tokens", type=int, default=512, help="shared prefix in the exactness check")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, help="engine's batch_invariant")
+    p.add_argument("--systems", help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all on cuda; "
+                   "daskllm,transformers on cpu)")
+    p.add_argument("--startup", action=argparse.BooleanOptionalAction,
+                   help="measure start-up on empty and warm caches first (default: on cuda)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, help="daskllm's batch_invariant")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help="engine's cuda_graphs")
     p.add_argument("--kv-cache-tokens", type=int, help="engine KV cache (default: what the largest workload needs)")
     p.add_argument("--max-num-seqs", type=int, help="default: the largest batch of any measurement")
@@ -118,7 +135,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.nano_seqs, args.nano_lengths = 8, [16, 64]
         args.exact_prompts, args.exact_prefix_tokens = 8, 128
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    on_cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    args.systems = args.systems.split(",") if args.systems else list(SYSTEMS if on_cuda else ("daskllm", "transformers"))
+    if unknown := set(args.systems) - set(SYSTEMS):
+        p.error(f"--systems: unknown {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
+    if "daskllm" not in args.systems:
+        p.error("--systems must include daskllm")
+    args.startup = on_cuda if args.startup is None else args.startup
     for name in ("repeats", "short_prompt_tokens", "decode_tokens", "prefill_batch", "prompt_tokens",
                  "prefix_tokens", "suffix_tokens", "nano_seqs", "exact_prompts", "exact_prefix_tokens"):
         if getattr(args, name) < 1:
@@ -154,11 +178,10 @@ def copy_bandwidth(device: str, nbytes: int, tries: int = 5) -> dict:
 class DaskllmRunner(cpu_bench.DaskllmRunner):
     """The torch engine built directly, on the chosen device; runs, prefill and reset as on the CPU."""
 
-    name = "daskllm"
-
-    def __init__(self, args, engine_kwargs: dict):
+    def __init__(self, args, engine_kwargs: dict, name: str = "daskllm"):
         from daskllm.engines.torch_engine import TorchEngine
 
+        self.name = name
         start = time.perf_counter()
         self.engine = TorchEngine(args.model, **engine_kwargs)
         self.load_s = time.perf_counter() - start
@@ -185,6 +208,7 @@ class DaskllmRunner(cpu_bench.DaskllmRunner):
         out["backend"] = model.backend.name
         out["batch_invariant"] = getattr(model.backend, "batch_invariant", True)
         out["cuda_graphs"] = e._graphs is not None
+        out["load_phases"] = e.load_phases
         return out
 
 
@@ -337,13 +361,14 @@ def measure_exactness(runner: DaskllmRunner, args, vocab: int) -> dict:
             "cached_prefix_min_cached_tokens": min(c.num_cached_tokens for c in cached)}
 
 
-def bench(runners: dict, args, workload: dict, bound: dict, vocab: int) -> dict:
+def bench(runners: dict, args, workload: dict, bound: dict, vocab: int, checkpoint=lambda results: None) -> dict:
     prompts = Prompts(args.seed, vocab)
     results = {name: {"prefill": [], "decode": [], "ttft": [], "nano": []} for name in runners}
     for name, runner in runners.items():
         log(f"warming up {name} ...")
         cpu_bench.warm_up(runner, prompts, args)
     names = list(runners)
+    engines = [n for n in names if n != "transformers"]
 
     def each(rep, key, measure, *a, only=names):
         for name in names[rep % len(names):] + names[:rep % len(names)]:  # alternated: no system always first
@@ -362,13 +387,15 @@ def bench(runners: dict, args, workload: dict, bound: dict, vocab: int) -> dict:
         each(rep, "prefill", measure_prefill, prompts, args.prefill_batch, args.prompt_tokens)
         each(rep, "ttft", measure_ttft, prompts, args.prefix_tokens, args.suffix_tokens)
         each(rep, "nano", measure_nano, workload, bound["bound_s"],
-             only=names if args.nano_transformers else ["daskllm"])
+             only=names if args.nano_transformers else engines)
         log(f"  repetition {rep + 1}/{args.repeats} took {time.perf_counter() - t0:.1f}s")
-    log("exactness of daskllm ...")
-    runners["daskllm"].reset()
-    results["daskllm"]["exactness"] = measure_exactness(runners["daskllm"], args, vocab)
-    log(f"  exactness: {results['daskllm']['exactness']}")
-    results["daskllm"]["engine_stats"] = runners["daskllm"].engine.stats().as_dict()
+        checkpoint(results)
+    for name in engines:
+        log(f"exactness of {name} ...")
+        runners[name].reset()
+        results[name]["exactness"] = measure_exactness(runners[name], args, vocab)
+        log(f"  exactness: {results[name]['exactness']}")
+        results[name]["engine_stats"] = runners[name].engine.stats().as_dict()
     for name, runner in runners.items():
         results[name]["info"] = runner.info()
     return results
@@ -389,11 +416,13 @@ def summarize(r: dict) -> dict:
     return s
 
 
-def ratios(results: dict, args) -> list[dict]:
-    """daskllm over transformers (medians of per-repetition ratios), and the nano time over its bound."""
-    def paired(key, field, batch=None):
-        a, b = ({x["rep"]: x[field] for x in results[n][key] if batch in (None, x.get("batch"))}
-                for n in ("daskllm", "transformers"))
+def ratios(results: dict, args, startup: dict | None = None) -> list[dict]:
+    """daskllm over transformers and over daskllm-fast (medians of per-repetition ratios), the
+    nano time over its bound, the warm-prefix TTFT and the start-up times."""
+    def paired(key, field, batch=None, of=("daskllm", "transformers")):
+        if not all(n in results for n in of):
+            return None
+        a, b = ({x["rep"]: x[field] for x in results[n][key] if batch in (None, x.get("batch"))} for n in of)
         return _median(a[r] / b[r] for r in a if r in b)
 
     values = {f"daskllm / transformers decode@{b} tokens/s": paired("decode", "tokens_per_s", b)
@@ -403,8 +432,17 @@ def ratios(results: dict, args) -> list[dict]:
     values["daskllm / transformers nano tokens/s"] = paired("nano", "tokens_per_s")
     summary = results["daskllm"]["summary"]
     values["daskllm decode@1 tokens/s"] = summary["decode_tokens_per_s"].get(1)
+    values["daskllm warm-prefix TTFT ms"] = summary["warm_ttft_s"] and 1000 * summary["warm_ttft_s"]
     values["daskllm TTFT cold / warm prefix"] = summary["prefix_speedup"]
     values["daskllm nano time / memory-traffic bound"] = summary["nano_bound_ratio"]
+    if "daskllm-fast" in results:  # what exactness costs
+        values["daskllm-fast / daskllm nano tokens/s"] = paired("nano", "tokens_per_s", of=("daskllm-fast", "daskllm"))
+        for b in args.batch_sizes:
+            values[f"daskllm-fast / daskllm decode@{b} tokens/s"] = paired("decode", "tokens_per_s", b,
+                                                                           of=("daskllm-fast", "daskllm"))
+    if startup:
+        values["daskllm start-up to first token, empty caches s"] = startup["cold"]["first_token_s"]
+        values["daskllm start-up to first token, warm caches s"] = startup["warm"]["first_token_s"]
     gpu = args.device.startswith("cuda")  # the targets are for GPUs; a small model's CPU step is compute-bound
     out = []
     for name, value in values.items():
@@ -448,17 +486,26 @@ def markdown(report: dict, args) -> str:
     lines += ["", "| ratio | value | wanted |", "|---|---:|---|"]
     for r in report["ratios"]:
         wanted = "" if r["target"] is None else f"{r['target']} ({'met' if r['met'] else 'NOT met'})"
-        value = f"{r['value']:,.0f}" if r["ratio"] == "daskllm decode@1 tokens/s" else f"{r['value']:.2f}x"
+        name = r["ratio"]
+        value = (f"{r['value']:,.0f}" if name.endswith("tokens/s") and "/" not in name.split(" tokens")[0]
+                 else f"{r['value']:.2f} {name.rsplit(' ', 1)[1]}" if name.endswith((" ms", " s"))
+                 else f"{r['value']:.2f}x")
         lines.append(f"| {r['ratio']} | {value} | {wanted} |")
     b, m = report["bound"], report["machine"]
     lines += ["", f"- copy bandwidth {m['copy_bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s; weights "
                   f"{b['weight_bytes'] / 2**20:,.1f} MiB, KV {b['kv_bytes_per_token'] / 2**10:.1f} KiB/token, "
                   f"bound {b['total_bytes'] / 2**30:.2f} GiB over {b['decode_steps']} decode steps."]
-    d, t = results["daskllm"]["info"], results["transformers"]["info"]
+    d = results["daskllm"]["info"]
     lines.append(f"- daskllm: {d['engine']} {d['dtype']} on {d['device']}; engine arguments {report['engine_kwargs']}"
-                 + ".")
-    lines.append(f"- transformers {m['transformers']}: {t['engine']}, {t['parameters'] / 1e6:.1f}M parameters, "
-                 f"attention {t['attn_implementation']}, left-padded batch, no prefix cache.")
+                 + ("; daskllm-fast: the same with batch_invariant=False" if "daskllm-fast" in results else "") + ".")
+    if "transformers" in results:
+        t = results["transformers"]["info"]
+        lines.append(f"- transformers {m['transformers']}: {t['engine']}, {t['parameters'] / 1e6:.1f}M parameters, "
+                     f"attention {t['attn_implementation']}, left-padded batch, no prefix cache.")
+    if report.get("startup"):
+        import engine_startup
+
+        lines += ["", engine_startup.markdown(report["startup"])]
     return "\n".join(lines)
 
 
@@ -474,45 +521,76 @@ def device_info(device: str, bandwidth: dict) -> dict:
                         copy_bandwidth_bytes_per_s=bandwidth["bytes_per_s"], copy_bandwidth=bandwidth)
 
 
+def measure_startup(args) -> dict:
+    """bench/engine_startup.py's cold and warm starts of the engine at its defaults (on this device, in this dtype)."""
+    import engine_startup
+
+    log(f"start-up of {args.model}: two fresh processes, empty caches then warm ...")
+    startup = engine_startup.measure(argparse.Namespace(
+        model=args.model, device=args.device, engine_kwargs=json.dumps({"dtype": args.dtype}),
+        keep_triton_cache=False, timeout=300))
+    log(engine_startup.markdown(startup))
+    return startup
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("daskllm").setLevel(logging.WARNING)
     started = time.perf_counter()
+    payload = {"command": " ".join(["python", *sys.argv]), "args": vars(args)}
+
+    def save(**fields) -> None:  # after every stage: a run cut short keeps what it measured
+        payload.update(fields, total_seconds=time.perf_counter() - started)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(payload, f, indent=1)
+
+    startup = measure_startup(args) if args.startup else None
+    save(startup=startup, partial=True)
     copy_mib = 1024 if args.device.startswith("cuda") else 64 if args.quick else 256
     bandwidth = copy_bandwidth(args.device, copy_mib * 2**20)
     info = device_info(args.device, bandwidth)
     log(f"{info['device_name']}: copy bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s")
-    log(f"loading {args.model} on transformers ({args.dtype}, {args.device}) ...")
-    hf = TransformersRunner(args)
-    workload = nano_workload(args, hf.vocab_size)
+    runners = {}
+    if "transformers" in args.systems:
+        log(f"loading {args.model} on transformers ({args.dtype}, {args.device}) ...")
+        runners["transformers"] = TransformersRunner(args)
+    if runners:
+        vocab = runners["transformers"].vocab_size
+    else:
+        from daskllm.engines.llama import LlamaConfig
+
+        vocab = LlamaConfig.from_dir(models.resolve(args.model)).vocab_size
+    workload = nano_workload(args, vocab)
     kwargs = engine_kwargs(args, workload)
-    log(f"loading {args.model} on daskllm ({kwargs}) ...")
-    runners = {"daskllm": DaskllmRunner(args, kwargs), "transformers": hf}
+    for name in (n for n in SYSTEMS if n in args.systems and n != "transformers"):
+        engine_args = {**kwargs, "batch_invariant": False} if name == "daskllm-fast" else kwargs
+        log(f"loading {args.model} on {name} ({engine_args}) ...")
+        runners[name] = DaskllmRunner(args, engine_args, name)
+    runners = {n: runners[n] for n in SYSTEMS if n in runners}  # daskllm first
     model = runners["daskllm"].engine.model
     bound = traffic_bound(workload["prompt_lengths"], workload["output_lengths"], model.weight_bytes,
                           model.kv_bytes_per_token, bandwidth["bytes_per_s"])
     vocab = min(r.vocab_size for r in runners.values())
+    save(machine=info, bound=bound, engine_kwargs=kwargs)
     try:
-        results = bench(runners, args, workload, bound, vocab)
+        results = bench(runners, args, workload, bound, vocab, checkpoint=lambda r: save(engines=r))
     finally:
         for runner in runners.values():
             runner.close()
     for r in results.values():
         r["summary"] = summarize(r)
     report = {"machine": info, "engines": results, "bound": bound, "engine_kwargs": kwargs, "vocab_size_used": vocab,
-              "nano_workload": {k: workload[k] for k in ("prompt_lengths", "output_lengths")}}
-    report["ratios"] = ratios(results, args)
+              "nano_workload": {k: workload[k] for k in ("prompt_lengths", "output_lengths")}, "startup": startup}
+    report["ratios"] = ratios(results, args, startup)
     exact = results["daskllm"]["summary"]["exactness"]
     report["exact"] = all(exact[k] == exact["prompts"] for k in ("together", "staggered", "cached_prefix"))
-    total_s = time.perf_counter() - started
     table = markdown(report, args)
     print(table)
-    print(f"\ntotal {total_s:.0f}s; torch {info['torch']}, CUDA {info['cuda']}, {info['device_name']}")
+    print(f"\ntotal {time.perf_counter() - started:.0f}s; torch {info['torch']}, CUDA {info['cuda']}, "
+          f"{info['device_name']}")
+    save(**report, markdown=table, partial=False)
     if args.json:
-        payload = {"command": " ".join(["python", *sys.argv]), "args": vars(args), "total_seconds": total_s,
-                   **report, "markdown": table}
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
         log(f"wrote {args.json}")
     if not report["exact"]:
         log(f"exactness FAILED: {exact}")

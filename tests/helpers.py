@@ -25,10 +25,9 @@ class _Seq:
         self.table = list(range(first_block, first_block + -(-(length + 1) // BLOCK)))
 
 
-def forward_step(model, parts):
-    """One forward step over ``parts`` = [(seq, first, n)]; returns {seq: logits of its last row}."""
-    from daskllm.engines.llama import StepInput
-
+def step_lists(parts):
+    """The flat lists of one step over ``parts`` = [(seq, first, n)], as TorchEngine._forward builds
+    them: token ids, positions, cache slots, per sequence (row, n, first, table), logit rows."""
     ids, positions, slots, seqs, rows = [], [], [], [], []
     for seq, first, n in parts:
         row = len(ids)
@@ -37,8 +36,29 @@ def forward_step(model, parts):
         slots += [seq.table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, first + n)]
         seqs.append((row, n, first, seq.table))
         rows.append(row + n - 1)
+    return ids, positions, slots, seqs, rows
+
+
+def forward_step(model, parts):
+    """One forward step over ``parts`` = [(seq, first, n)]; returns {seq: logits of its last row}."""
+    from daskllm.engines.llama import StepInput
+
+    ids, positions, slots, seqs, rows = step_lists(parts)
     logits = model.forward(StepInput(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), seqs, rows))
     return {id(seq): logits[i] for i, (seq, _, _) in enumerate(parts)}
+
+
+def write_micro_llama(path):
+    """A two-layer Llama with a 512-token vocabulary in ``path``: Triton's interpreter runs a
+    program at a time, so the tiny recipe's 16K-token head alone would take seconds per step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
 
 
 def check_forward_invariance(model) -> None:

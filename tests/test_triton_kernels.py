@@ -113,17 +113,9 @@ def test_paged_attention_matches_softmax_and_is_row_invariant(tk, dtype, heads, 
 
 @pytest.fixture(scope="module")
 def micro_model_dir(tmp_path_factory):
-    """A two-layer Llama with a 512-token vocabulary: the interpreter runs a program at a time,
-    so the tiny recipe's 16K-token head alone would take seconds per step."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers import write_micro_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("micro")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return write_micro_llama(tmp_path_factory.mktemp("micro"))
 
 
 def test_triton_forward_is_batch_invariant(tk, micro_model_dir):
@@ -150,44 +142,18 @@ def test_triton_forward_matches_the_cpu_backend(tk, micro_model_dir):
         torch.testing.assert_close(got[id(s)], want[id(s)], atol=1e-4, rtol=1e-4)
 
 
-def test_decode_graph_rows_equal_the_eager_forward(tk, micro_model_dir):
-    """DecodeGraphs' step (run eagerly here; captured on CUDA): padding rows to the bucket size
-    and reading inputs from its fixed buffers gives each sequence the eager forward's logits."""
-    from daskllm.engines.cuda_graphs import DecodeGraphs, buckets
-    from daskllm.engines.llama import LlamaModel
-    from tests.helpers import _Seq
-
-    assert buckets(40) == [1, 2, 4, 8, 16, 32, 40]
-    model = LlamaModel(micro_model_dir, backend="triton")
-    model.allocate_cache(30, 16)
-    seqs = [_Seq(10 + i, 17 + 9 * i, 6 * i, 512) for i in range(3)]
-    for s in seqs:
-        s.ids.append(42)
-    forward_step(model, [(s, 0, len(s.ids) - 1) for s in seqs])
-    graphs = DecodeGraphs(model, max_batch=8)
-    assert graphs.bucket(3) == 4 and graphs.bucket(9) is None
-    ids = [s.ids[-1] for s in seqs]
-    positions = [len(s.ids) - 1 for s in seqs]
-    slots = [s.table[p // 16] * 16 + p % 16 for s, p in zip(seqs, positions)]
-    logits = graphs.run(ids, positions, slots, [s.table for s in seqs]).clone()
-    eager = forward_step(model, [(s, len(s.ids) - 1, 1) for s in seqs])  # rewrites the same K/V
-    assert logits.shape == (3, 512)
-    for i, s in enumerate(seqs):
-        assert torch.equal(logits[i], eager[id(s)]), i
-
-
 def test_compiled_kernels_are_kept_beside_the_models(tk, tmp_path, monkeypatch):
     """The Triton backend points Triton's cache into daskllm.models.cache-dir (a second start
     where it persists compiles nothing), unless the user set TRITON_CACHE_DIR."""
     import dask
     import triton
 
-    from daskllm.engines.backends import TritonBackend
+    from daskllm.engines.backends import Heads, TritonBackend
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     with dask.config.set({"daskllm.models.cache-dir": str(tmp_path)}):
-        TritonBackend()
+        TritonBackend(Heads(4, 2, 16))
     assert triton.knobs.cache.dir == str(tmp_path / "triton")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
-    TritonBackend()
+    TritonBackend(Heads(4, 2, 16))
     assert triton.knobs.cache.dir == str(tmp_path / "mine")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +54,15 @@ class StepInput:
     logit_rows: list[int]  # rows whose next-token logits are wanted
 
 
+@dataclass(frozen=True, slots=True)
+class Heads:
+    """The attention shape of a model: query heads, KV heads, their size."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class Backend(Protocol):
     name: str
 
@@ -61,6 +70,23 @@ class Backend(Protocol):
         """A projection ``x -> x @ weight.T + bias`` with the weight prepared once."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the next norm: ``h + delta`` (h's storage may be reused) and its RMSNorm."""
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused gate/up projection's output [N, 2I] (gate first)."""
+
+    def tokens(self, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               block_size: int) -> object:
+        """What every layer's rotary embedding and cache write of this step share (from the
+        rotary tables [positions, d] and each new token's cache slot)."""
+
+    def rope_and_cache(self, qkv: torch.Tensor, tokens, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: Heads,
+                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """From the fused QKV projection [N, (H + 2 Hkv) d]: q [N, H, d] rotated, with the
+        rotated k and v written into one layer's cache (q_norm/k_norm: per-head RMSNorm first)."""
 
     def plan(self, step: StepInput, block_size: int) -> object:
         """What every layer's attention call of this step shares (tables, masks)."""
@@ -76,14 +102,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def select(device: torch.device, group: int, *, batch_invariant: bool = True, kind: str | None = None) -> Backend:
-    """The backend for a device (``group``: query heads per KV head): Triton kernels on CUDA,
-    the CPU backend elsewhere; ``kind`` forces one ("cpu" or "triton")."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it, in x's dtype: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(slots=True)
+class _Tokens:
+    """A step's rotary values and cache places, per new token, for torch's elementwise ops."""
+
+    cos: torch.Tensor  # [N, 1, d]
+    sin: torch.Tensor
+    block: torch.Tensor  # [N]: the cache block each token's K/V goes to
+    offset: torch.Tensor  # [N]: its row in that block
+
+
+def rope_and_cache(backend: Backend, qkv: torch.Tensor, tokens: _Tokens, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, heads: Heads, q_norm, k_norm, eps: float) -> torch.Tensor:
+    """Backend.rope_and_cache by torch's own operations (norms by ``backend.rms_norm``)."""
+    n, (h, hkv, d) = qkv.shape[0], (heads.num_heads, heads.num_kv_heads, heads.head_dim)
+    if q_norm is not None:
+        q = rope(backend.rms_norm(qkv[:, :h * d].reshape(n, h, d), q_norm, eps), tokens.cos, tokens.sin)
+        k = rope(backend.rms_norm(qkv[:, h * d:(h + hkv) * d].reshape(n, hkv, d), k_norm, eps), tokens.cos,
+                 tokens.sin)
+    else:  # q and k rotated by one call: their heads sit side by side in qkv
+        qk = rope(qkv[:, :(h + hkv) * d].view(n, h + hkv, d), tokens.cos, tokens.sin)
+        q, k = qk[:, :h], qk[:, h:]
+    k_cache[tokens.block, :, tokens.offset] = k
+    v_cache[tokens.block, :, tokens.offset] = qkv[:, (h + hkv) * d:].view(n, hkv, d)
+    return q
+
+
+def select(device: torch.device, heads: Heads, *, batch_invariant: bool = True, kind: str | None = None) -> Backend:
+    """The backend for a device and a model's attention shape: Triton kernels on CUDA, the CPU
+    backend elsewhere; ``kind`` forces one ("cpu" or "triton")."""
     kind = kind or ("triton" if device.type == "cuda" else "cpu")
     if kind == "triton":
-        return TritonBackend(batch_invariant)
+        return TritonBackend(heads, batch_invariant)
     if kind == "cpu":
-        return CpuBackend(group)
+        return CpuBackend(heads.num_heads // heads.num_kv_heads)
     raise ValueError(f"unknown engine backend {kind!r} (cpu or triton)")
 
 
@@ -116,6 +180,20 @@ class CpuBackend:
 
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        h = h + delta
+        return h, rms_norm(h, weight, eps)
+
+    def silu_mul(self, gate_up):
+        return silu_mul(gate_up)
+
+    def tokens(self, positions, slots, cos, sin, block_size):
+        return _Tokens(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), slots // block_size,
+                       slots % block_size)
+
+    def rope_and_cache(self, qkv, tokens, k_cache, v_cache, heads, q_norm, k_norm, eps):
+        return rope_and_cache(self, qkv, tokens, k_cache, v_cache, heads, q_norm, k_norm, eps)
 
     def plan(self, step: StepInput, block_size: int) -> list[_Group]:
         """The step's queries as attention calls: all decodes in one, each prefill in tiles."""
@@ -221,14 +299,21 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: 
 
 @dataclass(slots=True)
 class PagedPlan:
-    """A step's attention metadata for the paged kernel (see triton_kernels.paged_attention)."""
+    """A step's attention metadata for the paged kernel (see triton_kernels.attention).
 
-    tiles: torch.Tensor  # [T, 4] int32: sequence, first row, rows, first position
+    Tile rows are (sequence, first row of q, rows, position of the first row); a tile of no
+    rows is padding. Decode tiles hold one position each and run the decode layout (and,
+    when they are too few to fill the GPU, the split over the context); prefill tiles hold up
+    to the prefill layout's positions each."""
+
+    decode_tiles: torch.Tensor  # [Td, 4] int32
+    prefill_tiles: torch.Tensor  # [Tp, 4] int32
     tables: torch.Tensor  # [S, W] int32: each sequence's cache blocks
+    split_chunks: int = 0  # chunk programs per decode tile (0: one program walks the whole context)
 
 
 class TritonLinear:
-    """A projection by ``product(x, weight, bias)``: the invariant Triton matmul, or F.linear."""
+    """A projection by ``product(x, weight, bias)``: cuBLAS's F.linear (not batch-invariant)."""
 
     __slots__ = ("weight", "bias", "product")
 
@@ -239,12 +324,22 @@ class TritonLinear:
         return self.product(x, self.weight, self.bias)
 
 
+@dataclass(slots=True)
+class _TritonTokens:
+    """A step's new tokens as the fused rotary kernel reads them."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor  # the whole rotary tables [positions, d]
+    sin: torch.Tensor
+
+
 class TritonBackend:
     """The Triton kernels (module docstring); imported on first use, so CPU-only installs never need Triton."""
 
     name = "triton"
 
-    def __init__(self, batch_invariant: bool = True):
+    def __init__(self, heads: Heads, batch_invariant: bool = True):
         # Compiled kernels are kept beside the built models (daskllm.models.cache-dir), so an
         # engine started again where that directory persists compiles nothing; a
         # TRITON_CACHE_DIR the user set wins. Triton reads it when it first compiles.
@@ -253,25 +348,112 @@ class TritonBackend:
 
         self.kernels = triton_kernels
         self.batch_invariant = batch_invariant
+        self.heads = heads
+        # Decode tiles of the prefill tile's rows and no split until check() finds the faster ones exact here.
+        self.layout = triton_kernels.AttentionLayout()
+        self.positions_per_tile = triton_kernels.positions_per_tile(heads.num_heads // heads.num_kv_heads,
+                                                                    self.layout.prefill_rows)
+        self._sms = 0  # streaming multiprocessors of the device, read at the first split decision
 
     def linear(self, weight, bias=None):
-        return TritonLinear(weight, bias, self.kernels.matmul if self.batch_invariant else F.linear)
+        if self.batch_invariant:
+            return self.kernels.Product(weight, bias)
+        return TritonLinear(weight, bias, F.linear)
 
     def rms_norm(self, x, weight, eps):
-        if self.batch_invariant:
-            return self.kernels.rms_norm(x, weight, eps)
-        return rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        return self.kernels.add_rms_norm(h, delta, weight, eps)
+
+    def silu_mul(self, gate_up):
+        return self.kernels.silu_mul(gate_up)
+
+    def tokens(self, positions, slots, cos, sin, block_size):
+        return _TritonTokens(positions, slots, cos, sin)
+
+    def rope_and_cache(self, qkv, tokens, k_cache, v_cache, heads, q_norm, k_norm, eps):
+        return self.kernels.rope_and_cache(qkv, tokens.positions, tokens.cos, tokens.sin, tokens.slots, k_cache,
+                                           v_cache, heads.num_heads, heads.num_kv_heads, heads.head_dim,
+                                           q_norm=q_norm, k_norm=k_norm, eps=eps)
+
+    # --- attention tiles ------------------------------------------------------------------------
+
+    def step_tiles(self, seqs: list[tuple[int, int, int, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """The step's decode tiles (a sequence with one new token) and prefill tiles, [T, 4] int32 each."""
+        q_tile = self.positions_per_tile
+        decode = [(i, start, 1, cached) for i, (start, count, cached, _) in enumerate(seqs) if count == 1]
+        prefill = [(i, start + t0, min(q_tile, count - t0), cached + t0)
+                   for i, (start, count, cached, _) in enumerate(seqs) if count > 1
+                   for t0 in range(0, count, q_tile)]
+        return (np.array(decode, dtype=np.int32).reshape(-1, 4), np.array(prefill, dtype=np.int32).reshape(-1, 4))
+
+    def prefill_tile_capacity(self, tokens: int, max_seqs: int) -> int:
+        """The most prefill tiles a step of ``tokens`` tokens can have (each prefill has 2+ tokens)."""
+        return -(-tokens // self.positions_per_tile) + min(tokens // 2, max_seqs)
+
+    def split_chunks(self, decode_tiles: int, max_context: int) -> int:
+        """Programs per decode tile and KV head sharing its context's chunks, where (tile, KV head)
+        programs alone are too few to fill the device (about two per SM); 0 where they are enough,
+        or where the split is not exact here (``layout.split``). Either way a row gets the same bits."""
+        if not self._sms:
+            self._sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 1
+        programs = decode_tiles * self.heads.num_kv_heads
+        chunks = -(-max_context // self.kernels.CHUNK_KEYS)
+        if not self.layout.split or chunks < 2 or not 0 < programs < self._sms:
+            return 0
+        return min(chunks, -(-2 * self._sms // programs))
+
+    # --- what this device computes exactly ----------------------------------------------------------
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> dict:
+        """Which attention paths give the prefill tiles' bits on this device (``self_check``): the
+        layout the steps then use. Every product's plan is verified by its first launch."""
+        h = self.heads
+        result = self.kernels.self_check(device, dtype, h.num_heads, h.num_kv_heads, h.head_dim)
+        if not self.kernels.compiling_only():
+            self.layout = result["layout"]
+        return result
+
+    def prepare(self, device: torch.device, dtype: torch.dtype, projections: Iterable, walk: Callable[[], None],
+                workers: int) -> dict:
+        """Compile every kernel the engine will launch, on ``workers`` threads at once rather than
+        one at a time at first launch: the attention check's, every product config's (as their
+        verification launches them) and those of the steps ``walk()`` runs, planned with the
+        fastest layout. Then, for real: the attention layout this device computes exactly
+        (:meth:`check`) and each product's verified plan."""
+        group = self.heads.num_heads // self.heads.num_kv_heads
+        self.layout = self.kernels.AttentionLayout(
+            decode_rows=max(self.kernels.DECODE_ROWS, 1 << (group - 1).bit_length()), split=True)
+        products = [p for p in projections if isinstance(p, self.kernels.Product)]
+        with self.kernels.compile_only(workers):
+            self.check(device, dtype)
+            for product in products:
+                product.check()
+            walk()
+        result = self.check(device, dtype)
+        for product in products:
+            product.check()
+        return result
 
     def plan(self, step: StepInput, block_size: int) -> PagedPlan:
-        q_tile = self.kernels.BLOCK_Q
-        tiles = [(i, start + t0, min(q_tile, count - t0), cached + t0)
-                 for i, (start, count, cached, _) in enumerate(step.seqs) for t0 in range(0, count, q_tile)]
+        decode, prefill = self.step_tiles(step.seqs)
         width = max(len(s[3]) for s in step.seqs)
         tables = np.zeros((len(step.seqs), width), dtype=np.int32)
         for i, (_, _, _, table) in enumerate(step.seqs):
             tables[i, :len(table)] = table
         device = step.input_ids.device
-        return PagedPlan(torch.tensor(tiles, dtype=torch.int32).to(device), torch.from_numpy(tables).to(device))
+        max_context = max(s[2] + s[1] for s in step.seqs)
+        return PagedPlan(torch.from_numpy(decode).to(device), torch.from_numpy(prefill).to(device),
+                         torch.from_numpy(tables).to(device), self.split_chunks(len(decode), max_context))
 
     def attend(self, q, k_cache, v_cache, plan: PagedPlan):
-        return self.kernels.paged_attention(q, k_cache, v_cache, plan.tiles, plan.tables)
+        out = torch.empty_like(q)
+        layout = self.layout
+        if plan.decode_tiles.shape[0]:
+            self.kernels.paged_attention(q, k_cache, v_cache, plan.decode_tiles, plan.tables, out=out,
+                                         tile_rows=layout.decode_rows, split_chunks=plan.split_chunks)
+        if plan.prefill_tiles.shape[0]:
+            self.kernels.paged_attention(q, k_cache, v_cache, plan.prefill_tiles, plan.tables, out=out,
+                                         tile_rows=layout.prefill_rows)
+        return out

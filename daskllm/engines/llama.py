@@ -24,10 +24,9 @@ import pathlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from daskllm.engines import backends
-from daskllm.engines.backends import StepInput
+from daskllm.engines.backends import Heads, StepInput
 from daskllm.models import dummy_weights
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -114,9 +113,9 @@ class LlamaModel:
     def __init__(self, model_dir: pathlib.Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  batch_invariant: bool = True, backend: str | None = None):
         self.config = cfg = LlamaConfig.from_dir(model_dir)
+        self.heads = Heads(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.device, self.dtype = torch.device(device), dtype
-        self.backend = backends.select(self.device, cfg.num_heads // cfg.num_kv_heads,
-                                       batch_invariant=batch_invariant, kind=backend)
+        self.backend = backends.select(self.device, self.heads, batch_invariant=batch_invariant, kind=backend)
         linear = self.backend.linear
         state = load_state_dict(model_dir)
 
@@ -162,6 +161,12 @@ class LlamaModel:
         self.k_cache = self.v_cache = None
         self.block_size = 0
         self.scratch_block = -1
+
+    def projections(self):
+        """Every prepared projection (the backend's linear objects), the head last."""
+        for layer in self.layers:
+            yield from (layer[name] for name in ("qkv", "o", "gate_up", "down"))
+        yield self.lm_head
 
     def _weights_read_per_step(self):
         """Every weight a step reads whole (the embedding table is only looked up)."""
@@ -217,41 +222,25 @@ class LlamaModel:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan,
             logit_rows: torch.Tensor | slice) -> torch.Tensor:
-        """The step as tensors only (no host sync, nothing shaped by Python values): capturable."""
-        c = self.config
-        b = self.backend
+        """The step as tensors only (no host sync, nothing shaped by Python values): capturable.
+
+        Each layer is four products and what the backend fuses between them: the rotary
+        embedding with the cache write, attention, each residual add with the norm after it,
+        and SiLU x up."""
+        c, b = self.config, self.backend
+        eps = c.rms_norm_eps
         n = input_ids.shape[0]
         h = self.embed[input_ids]
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        # Where each new token's K/V goes: (block, row in block), the same for every layer.
-        block, offset = slots // self.block_size, slots % self.block_size
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        for li, layer in enumerate(self.layers):
-            x = b.rms_norm(h, layer["in_norm"], c.rms_norm_eps)
-            qkv = layer["qkv"](x)
-            if c.qk_norm:
-                q = b.rms_norm(qkv[:, :q_size].reshape(n, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
-                k = b.rms_norm(qkv[:, q_size:q_size + kv_size].reshape(n, c.num_kv_heads, c.head_dim),
-                               layer["k_norm"], c.rms_norm_eps)
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            else:  # q and k rotated by one call: their heads sit side by side in qkv
-                qk = _rope(qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-                q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-            v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
-            self.k_cache[li][block, :, offset] = k
-            self.v_cache[li][block, :, offset] = v
+        tokens = b.tokens(positions, slots, self.cos, self.sin, self.block_size)
+        x = b.rms_norm(h, self.layers[0]["in_norm"], eps)
+        norms_after = [layer["in_norm"] for layer in self.layers[1:]] + [self.norm]
+        for li, (layer, norm_after) in enumerate(zip(self.layers, norms_after)):
+            q = b.rope_and_cache(layer["qkv"](x), tokens, self.k_cache[li], self.v_cache[li], self.heads,
+                                 layer.get("q_norm"), layer.get("k_norm"), eps)
             attn = b.attend(q, self.k_cache[li], self.v_cache[li], plan)
-            h = h + layer["o"](attn.reshape(n, -1))
-            x = b.rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            h = h + layer["down"](F.silu(gate) * up)
-        return self.lm_head(b.rms_norm(h[logit_rows], self.norm, c.rms_norm_eps)).float()
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+            h, x = b.add_rms_norm(h, layer["o"](attn.reshape(n, -1)), layer["post_norm"], eps)
+            h, x = b.add_rms_norm(h, layer["down"](b.silu_mul(layer["gate_up"](x))), norm_after, eps)
+        return self.lm_head(x[logit_rows]).float()
 
 
 def _rope_tables(model_dir: pathlib.Path, cfg: LlamaConfig, device) -> tuple[torch.Tensor, torch.Tensor]:

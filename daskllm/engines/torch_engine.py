@@ -17,7 +17,7 @@ import torch
 
 from daskllm import config, models
 from daskllm.engines import compute, sizing
-from daskllm.engines.cuda_graphs import DecodeGraphs
+from daskllm.engines.cuda_graphs import StepGraphs
 from daskllm.engines.kv_cache import BlockManager
 from daskllm.engines.llama import LlamaModel, StepInput
 from daskllm.engines.protocol import CacheState, EngineStats, PrefillHandle, RequestError
@@ -42,7 +42,9 @@ class TorchEngine(SteppingEngine):
                  batch_invariant: bool | None = None, cuda_graphs: bool | None = None, backend: str | None = None,
                  prefill_chunk_tokens: int | str | None = None, long_prefill_tokens: int | str | None = None,
                  gpu_memory_utilization: float | None = None):
+        phases = _Phases()
         path = models.resolve(model)
+        phases.done("recipe")  # a recipe is built into the model cache once
         self.name = name or models.model_name(model)
         self.path = path
         self.block_size = block_size or config.get("engine.block-size")
@@ -76,7 +78,9 @@ class TorchEngine(SteppingEngine):
         num_blocks = kv_cache_tokens // self.block_size
         if num_blocks < 1:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {self.block_size} tokens")
+        phases.done("model")  # weights read (or drawn) and prepared, the products' kernels checked
         self._compute(self.model.allocate_cache, num_blocks, self.block_size)
+        phases.done("kv_cache")
         self._blocks = BlockManager(num_blocks, self.block_size)
         self._scheduler = Scheduler(self._blocks, max_num_seqs, max(max_num_batched_tokens, max_num_seqs),
                                     copy_rows=self.model.copy_rows,
@@ -88,8 +92,19 @@ class TorchEngine(SteppingEngine):
         if cuda_graphs is None:
             cuda_graphs = config.get("engine.cuda-graphs", True)
         self._graphs = None
-        if cuda_graphs and self.model.device.type == "cuda" and self.model.backend.name == "triton":
-            self._graphs = DecodeGraphs(self.model, max_num_seqs)
+        step_tokens = max(max_num_batched_tokens, max_num_seqs)
+        if self.model.device.type == "cuda" and self.model.backend.name == "triton":
+            #: What the device was found to compute exactly (the attention paths; backends.TritonBackend.check).
+            self.kernel_check = self.model.backend.prepare(
+                self.model.device, self.model.dtype, self.model.projections(),
+                lambda: StepGraphs(self.model, max_num_seqs, step_tokens, capture=False).walk(),
+                min(8, os.cpu_count() or 1))
+            phases.done("kernels")  # compiled in parallel (or read from Triton's cache), checked on the device
+            if cuda_graphs:
+                self._graphs = StepGraphs(self.model, max_num_seqs, step_tokens)
+        phases.done("cuda_graphs")  # the steps captured
+        #: Seconds each part of loading took (bench/engine_startup.py reports them).
+        self.load_phases = phases.seconds
         eos = set(self.model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -212,15 +227,22 @@ class TorchEngine(SteppingEngine):
                 choosers.append((row + n - 1, seq))
         if not input_ids:
             return []
-        if self._graphs is not None and len(seqs) == len(input_ids) and self._graphs.bucket(len(seqs)):
-            logits = self._graphs.run(input_ids, positions, slots, [s[3] for s in seqs])
-            if len(choosers) < len(seqs):  # a prompt's last token, prefilled alone: no token wanted
-                logits = logits[[row for row, _ in choosers]]
+        logit_rows = [row for row, _ in choosers]
+        bucket = None
+        if self._graphs is not None:
+            tiles = self.model.backend.step_tiles(seqs)
+            decode = len(seqs) == len(input_ids)
+            bucket = self._graphs.bucket(len(input_ids), len(seqs), decode, len(tiles[0]), len(tiles[1]),
+                                         len(logit_rows))
+        if bucket is not None:
+            logits = self._graphs.run(bucket, input_ids, positions, slots, tiles, [s[3] for s in seqs], logit_rows)
+            if bucket.decode and len(choosers) < len(seqs):  # a prompt's last token, prefilled alone: no token wanted
+                logits = logits[logit_rows]
         else:
             device = self.model.device
             logits = self.model.forward(StepInput(
                 torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                torch.tensor(slots, device=device), seqs, [row for row, _ in choosers]))
+                torch.tensor(slots, device=device), seqs, logit_rows))
         return _choices(logits, [seq for _, seq in choosers])
 
     def _postprocess(self, step: list[tuple[Sequence, int]], choices: list[int | torch.Tensor]) -> None:
@@ -259,6 +281,19 @@ def _choices(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | torch.Ten
         for i, row in zip(rest, logits[rest].cpu()):
             out[i] = row
     return out
+
+
+class _Phases:
+    """Wall time between marks: {phase: seconds}."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
 
 
 def _inline(fn, *args, **kwargs):
