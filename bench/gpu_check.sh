@@ -16,10 +16,10 @@
 #    fp32 at 1..512 rows, and exit status 1 if any row's bits differ from the largest batch's;
 # 2. bench/gpu_matmul_tune.py: candidate tile configurations of every llama-1b projection timed
 #    against cuBLAS and the memory bound, each one's bits against its plan's reference;
-# 3. bench/gpu_engine.py: start-up on empty and warm caches, then exact mode (batch-invariant
-#    kernels, CUDA graphs), --no-batch-invariant (cuBLAS products: what exactness costs) and
-#    transformers side by side in one run: every target, and exit status 1 if any greedy output
-#    of exact mode changes with the batch or a cached prefix.
+# 3. bench/gpu_engine.py (on the plans step 2 saved, unless TUNED=0): start-up on empty and warm
+#    caches, then exact mode (batch-invariant kernels, CUDA graphs), --no-batch-invariant (cuBLAS
+#    products: what exactness costs) and transformers side by side in one run: every target, and
+#    exit status 1 if any greedy output of exact mode changes with the batch or a cached prefix.
 # Each step writes its JSON and log under $OUT as it goes, so a run cut short keeps what it measured.
 # The options given to this script go to gpu_engine.py.
 # Tried on CPU with:  PYTHON=.venv/bin/python OUT=/tmp/out bash bench/gpu_check.sh --quick
@@ -43,12 +43,15 @@ gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA de
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, triton {tv}, {gpu}")
 EOF
 status=0
-timeout "${KERNEL_LIMIT_S:-90}" "$PY" bench/gpu_kernel_bits.py --json "$OUT/kernel_bits.json" \
+timeout "${KERNEL_LIMIT_S:-100}" "$PY" bench/gpu_kernel_bits.py --json "$OUT/kernel_bits.json" \
   2>&1 | tee "$OUT/kernel_bits.log" || status=1
-TUNE_ARGS=()
-[[ " $* " == *" --quick "* ]] && TUNE_ARGS=(--quick)
-timeout "${TUNE_LIMIT_S:-120}" "$PY" bench/gpu_matmul_tune.py "${TUNE_ARGS[@]}" --json "$OUT/matmul_tune.json" \
-  2>&1 | tee "$OUT/matmul_tune.log" || true  # timings: nothing to fail
+timeout "${TUNE_LIMIT_S:-110}" "$PY" bench/gpu_matmul_tune.py --json "$OUT/matmul_tune.json" \
+  --save "$OUT/matmul_plans.json" 2>&1 | tee "$OUT/matmul_tune.log" || true  # timings: nothing to fail
+# The engine runs on the plans just tuned where the tuning wrote any (as a user would point
+# daskllm.engine.matmul-plans at them); TUNED=0 keeps the built-in plans.
+if [[ "${TUNED:-1}" == 1 && -s "$OUT/matmul_plans.json" ]]; then
+  export DASK_DASKLLM__ENGINE__MATMUL_PLANS="$OUT/matmul_plans.json"
+fi
 timeout "${ENGINE_LIMIT_S:-330}" "$PY" bench/gpu_engine.py --repeats 1 --json "$OUT/gpu_engine.json" "$@" \
   2>&1 | tee "$OUT/gpu_engine.log" || status=1
 exit $status

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -209,6 +210,10 @@ class DaskllmRunner(cpu_bench.DaskllmRunner):
         out["batch_invariant"] = getattr(model.backend, "batch_invariant", True)
         out["cuda_graphs"] = e._graphs is not None
         out["load_phases"] = e.load_phases
+        out["matmul_plans"] = config.get("engine.matmul-plans")  # None: the built-in plans
+        check = getattr(e, "kernel_check", None)  # which attention paths the device computes exactly
+        out["kernel_check"] = check and {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                                         for k, v in check.items()}
         return out
 
 

@@ -219,6 +219,9 @@ def main(argv=None) -> int:
         from daskllm.engines import triton_kernels
 
         attends = any(k.startswith("paged_attention") for k in args.kernels)
+        if args.device != "cpu":  # every launch below compiled first, on 8 threads at once (nothing read)
+            with triton_kernels.compile_only(workers=8):
+                check(triton_kernels, args, self_checks(triton_kernels, args) if attends else {})
         checked = self_checks(triton_kernels, args) if args.device != "cpu" and attends else {}
         results = check(triton_kernels, args, checked)
     device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu (Triton's interpreter)"

@@ -231,7 +231,15 @@ def tune_shape(mm, name: str, n: int, k: int, args, bandwidth: float) -> dict:
               "bound_ms": {str(r): (r * k + n * k + r * n) * size / bandwidth * 1e3 for r in args.rows},
               "cublas_ms": timed(F.linear), "families": [],
               "default_plan": [[limit, cfg.label] for limit, cfg in mm.default_plan(n, dtype, capability)]}
-    for anchor, configs in candidates(mm, n, dtype, capability, args):
+    families = candidates(mm, n, dtype, capability, args)
+    if device != "cpu":  # every candidate compiled first, on 8 threads at once (M is never specialized)
+        from daskllm.engines.triton_kernels import compile_only
+
+        with compile_only(workers=8):
+            for _, configs in families:
+                for cfg in configs:
+                    mm.run_config(xs[args.rows[0]][0], weight, None, cfg)
+    for anchor, configs in families:
         family = []
         for cfg in configs:
             entry = {"config": dataclasses.asdict(cfg), "label": cfg.label, "ms": {}, "bits": [], "error": None}

@@ -21,8 +21,9 @@ table.
 
 On ``--device cuda`` (bfloat16 unless ``--dtype``) the kernels' device time is summed instead,
 by kernel name: the Triton backend's ``_matmul_kernel`` (projections), ``_paged_attention_kernel``
-(attention: products and softmax in one kernel) and ``_rms_norm_kernel`` (everything else), or
-with ``--no-batch-invariant`` cuBLAS ``gemm`` kernels (projections).
+(attention: products and softmax in one kernel, and the split's fold), its fused
+``_add_rms_norm_kernel``, ``_rms_norm_kernel``, ``_silu_mul_kernel`` and ``_rope_and_cache_kernel``,
+or with ``--no-batch-invariant`` cuBLAS ``gemm`` kernels (projections).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ KINDS = {
 # Device kernels by name fragment (the Triton backend's kernels, cuBLAS, torch's own copies).
 KERNEL_KINDS = {
     "projections": ("_matmul_kernel", "gemm", "gemv", "cutlass", "sm90_xmma", "nvjet"),
-    "attention": ("_paged_attention_kernel", "flash", "fmha"),
+    "attention": ("_paged_attention_kernel", "flash", "fmha"),  # and its split's fold, _combine_paged_...
+    "fused norms, rotary and SiLU": ("_rms_norm_kernel", "_silu_mul_kernel", "_rope_and_cache_kernel"),
     "gathers and copies": ("copy", "gather", "index_select", "cat"),
     "cache writes": ("index_put", "scatter"),
 }

@@ -309,3 +309,44 @@ def test_prefill_profile_splits_the_time_by_kind(tmp_path, tiny_model_dir, capsy
         assert r["seconds"] > 0 and sum(r["share"].values()) == pytest.approx(1.0)
         assert r["share"]["projections"] > 0 and r["share"]["attention products"] > 0  # the kinds are recognised
     assert "| 96 |" in capsys.readouterr().out
+
+
+def test_engine_startup_times_the_engines_phases_to_its_first_token(daskllm_cache, capsys):
+    """bench/engine_startup.py's per-process start (``--child``), in this process: the engine's
+    load phases and the time to the first token, and the table of a cold and a warm start."""
+    import engine_startup
+
+    args = engine_startup.parse_args(["--model", "tiny", "--device", "cpu"])
+    start = engine_startup.child(args)
+    assert set(start["phases"]) == {"recipe", "model", "kv_cache", "cuda_graphs"}  # no GPU: no kernels phase
+    assert start["first_token_s"] >= start["engine_s"] > 0 and start["device"] == "cpu"
+    table = engine_startup.markdown({"model": "tiny", "cold": start, "warm": start})
+    assert "| kv_cache |" in table and "**`TorchEngine()` to the first token**" in table
+
+
+@pytest.mark.slow
+def test_the_gpu_compile_check_compiles_every_kernel_for_hopper(tmp_path):
+    """bench/gpu_compile_check.py on this CPU machine: every kernel an engine launches for llama-1b
+    compiles for sm_90 with Triton's own ptxas, within the GPU's shared memory; a product plan's
+    configs all get wgmma; prefill attention tiles get wgmma, decode tiles mma.sync (which is why
+    the engine checks their bits on the device before using them)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # other test modules set it
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    out = tmp_path / "compile.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_compile_check.py"), "--max-seqs", "64",
+                           "--max-tokens", "4096", "--json", str(out)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["problems"] == []
+    kinds = {(k["kernel"], k["constants"].get("ROWS"), k["constants"].get("SPLIT")): k["instruction"]
+             for k in report["kernels"]}
+    assert {"_matmul_kernel", "_rms_norm_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_and_cache_kernel",
+            "_paged_attention_kernel", "_combine_paged_attention_kernel"} == {kernel for kernel, _, _ in kinds}
+    assert {k["instruction"] for k in report["kernels"] if k["kernel"] == "_matmul_kernel"} == {"wgmma"}
+    assert kinds[("_paged_attention_kernel", 128, False)] == "wgmma"
+    assert kinds[("_paged_attention_kernel", 16, False)] == kinds[("_paged_attention_kernel", 16, True)] == "mma.sync"
+    assert all(k["fits"] for k in report["kernels"])
+    assert "| _matmul_kernel |" in done.stdout

@@ -81,3 +81,43 @@ def test_a_padded_mixed_bucket_gives_the_eager_logits(model):
     for i, (seq, _, _) in enumerate(parts):
         assert torch.equal(logits[i], eager[id(seq)]), i
     assert graphs.bucket(65, 2, False, 0, 3, 2) is None  # past the largest bucket: eager
+
+
+@pytest.mark.slow  # about 15 s under the interpreter
+def test_prepare_compiles_first_then_keeps_the_paths_the_device_computes_exactly(model, monkeypatch):
+    """TritonBackend.prepare, as an engine on a GPU calls it at load: inside compile_only (where the
+    interpreter runs nothing) the checks and the walk only compile; then, for real, self_check sets
+    the attention layout and every product's plan is verified. A device whose decode tiles round
+    otherwise keeps decode tiles of the prefill tile's rows."""
+    import functools
+
+    from daskllm.engines import triton_kernels
+    from daskllm.engines.cuda_graphs import StepGraphs
+
+    backend = model.backend
+    quick = functools.partial(triton_kernels.self_check, contexts=(1, 24), chunk_keys=64)  # small: the orchestration
+    monkeypatch.setattr(backend.kernels, "self_check", quick)
+    walked = []
+
+    def walk():
+        assert triton_kernels.compiling_only() and backend.layout.split  # the fast layout, compiled for
+        walked.append(True)
+        StepGraphs(model, max_seqs=4, max_tokens=32, capture=False).walk()
+
+    products = [model.layers[0]["qkv"], model.lm_head]  # two of them: verifying each is slow here
+    for product in products:
+        product.checked = False
+    result = backend.prepare(model.device, model.dtype, products, walk, workers=1)
+    assert walked and not triton_kernels.compiling_only()
+    assert result["decode_tile"] and result["split"] and backend.layout == result["layout"]
+    assert backend.layout.decode_rows == triton_kernels.DECODE_ROWS and backend.layout.split
+    assert all(p.checked for p in products)
+
+    def differs(*args, **kwargs):
+        checked = quick(*args, **kwargs)
+        return {**checked, "decode_tile": False, "layout": triton_kernels.AttentionLayout(split=checked["split"])}
+
+    monkeypatch.setattr(backend.kernels, "self_check", differs)
+    backend.prepare(model.device, model.dtype, [], lambda: None, workers=1)
+    assert backend.layout.decode_rows == triton_kernels.PREFILL_ROWS
+    backend.layout = triton_kernels.AttentionLayout()  # the module's other tests plan with the default

@@ -118,6 +118,7 @@ def micro_model_dir(tmp_path_factory):
     return write_micro_llama(tmp_path_factory.mktemp("micro"))
 
 
+@pytest.mark.slow  # about 30 s under the interpreter: a dozen steps of every kernel
 def test_triton_forward_is_batch_invariant(tk, micro_model_dir):
     """In bfloat16, the GPU default (float32 runs the same kernels with other constants: the
     kernel tests above cover both)."""

@@ -1,9 +1,11 @@
-"""How the Llama forward pass computes its reductions on a device: products, RMSNorm, attention.
+"""How the Llama forward pass computes on a device: products, norms, rotary and cache writes, attention.
 
 Greedy decoding must give the same tokens whether a request runs alone, batched with others,
 or on top of a cached prefix. Float arithmetic is only reproducible if every number is
 computed by the same sequence of operations, so no backend lets the rows of a step change a
-row's reductions. Everything else in the forward pass is elementwise and needs no care.
+row's reductions. Everything else in the forward pass is elementwise and needs no care; a
+backend may fuse it (the residual add with the norm after it, SiLU x up, the rotary embedding
+with the cache write) as long as it rounds where torch's separate operations round.
 
 * :class:`CpuBackend`: projections are :class:`~daskllm.engines.invariant.Linear` (oneDNN's
   batch-invariant kernel); attention reads keys in tiles of one fixed length (``KEY_TILE_BLOCKS``
@@ -13,9 +15,10 @@ row's reductions. Everything else in the forward pass is elementwise and needs n
   accumulates in float32 whatever the model's dtype.
 * :class:`TritonBackend` (CUDA, or any device under ``TRITON_INTERPRET=1``): the kernels of
   :mod:`daskllm.engines.triton_kernels`, whose reduction order is fixed whatever the row
-  count. ``batch_invariant=False`` trades that for cuBLAS and torch's own RMSNorm (faster
-  products at large batches; greedy tokens may then depend on the batch); attention is the
-  paged kernel either way.
+  count, with the fast paths (a product's small-row tiles, attention's decode tiles and split)
+  kept only where the device gives them the same bits (:meth:`TritonBackend.prepare`).
+  ``batch_invariant=False`` trades that for cuBLAS products (faster at large batches; greedy
+  tokens may then depend on the batch); the fused kernels and attention are the same either way.
 
 Both read the same KV cache layout: [block, KV head, row in block, d] per layer.
 """
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from daskllm import models
+from daskllm import config, models
 from daskllm.engines.invariant import Linear, pad_rows
 
 PREFILL_TILE = 256  # CPU: query positions per attention call, bounding memory on long prompts
@@ -47,9 +50,9 @@ class StepInput:
     tokens already in the cache before this step, block table).
     """
 
-    input_ids: torch.Tensor  # [N] long
-    positions: torch.Tensor  # [N] long
-    slots: torch.Tensor  # [N] long: flat cache slot each new token's K/V goes to
+    input_ids: torch.Tensor  # [N] integers (int32 or int64)
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N]: flat cache slot each new token's K/V goes to
     seqs: list[tuple[int, int, int, list[int]]]
     logit_rows: list[int]  # rows whose next-token logits are wanted
 
@@ -348,6 +351,9 @@ class TritonBackend:
 
         self.kernels = triton_kernels
         self.batch_invariant = batch_invariant
+        plans = config.get("engine.matmul-plans", None)
+        #: Tuned tile plans by weight shape (daskllm.engine.matmul-plans), else the built-in ones.
+        self.matmul_plans = triton_kernels.load_plans(plans) if batch_invariant and plans else {}
         self.heads = heads
         # Decode tiles of the prefill tile's rows and no split until check() finds the faster ones exact here.
         self.layout = triton_kernels.AttentionLayout()
@@ -357,7 +363,7 @@ class TritonBackend:
 
     def linear(self, weight, bias=None):
         if self.batch_invariant:
-            return self.kernels.Product(weight, bias)
+            return self.kernels.Product(weight, bias, self.matmul_plans.get(self.kernels.plan_key(weight)))
         return TritonLinear(weight, bias, F.linear)
 
     def rms_norm(self, x, weight, eps):

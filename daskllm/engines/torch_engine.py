@@ -239,10 +239,11 @@ class TorchEngine(SteppingEngine):
             if bucket.decode and len(choosers) < len(seqs):  # a prompt's last token, prefilled alone: no token wanted
                 logits = logits[logit_rows]
         else:
-            device = self.model.device
-            logits = self.model.forward(StepInput(
-                torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
-                torch.tensor(slots, device=device), seqs, logit_rows))
+            def as_tensor(values):  # int32, as the graphs' buffers: the kernels compiled for those serve here too
+                return torch.tensor(values, dtype=torch.int32, device=self.model.device)
+
+            logits = self.model.forward(StepInput(as_tensor(input_ids), as_tensor(positions), as_tensor(slots), seqs,
+                                                  logit_rows))
         return _choices(logits, [seq for _, seq in choosers])
 
     def _postprocess(self, step: list[tuple[Sequence, int]], choices: list[int | torch.Tensor]) -> None:

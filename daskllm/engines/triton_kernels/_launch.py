@@ -36,8 +36,10 @@ def compile_only(workers: int = 1) -> Iterator[None]:
     token = _COMPILE_ONLY.set(True)
     try:
         if workers > 1:
+            # ignore_errors: a variant that does not compile raises where it is launched for real
+            # (a product's verification drops such a config; any other kernel fails its step).
             with ThreadPoolExecutor(workers, thread_name_prefix="daskllm-triton-compile") as pool, \
-                    triton.AsyncCompileMode(pool):
+                    triton.AsyncCompileMode(pool, ignore_errors=True):
                 yield
         else:
             yield
