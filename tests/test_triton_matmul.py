@@ -142,3 +142,31 @@ def test_the_tune_script_writes_its_numbers_and_plans_product_reads(mm, tmp_path
     x, w, _ = operands(torch.bfloat16, 48, 64, rows=9)
     assert torch.equal(mm.Product(w, None, plan)(x), mm.matmul(x, w))
     assert "| 128x256x64 w8 s3 g8 | anchor |" in capsys.readouterr().out
+
+
+def test_the_backend_takes_tuned_plans_from_the_config_and_refuses_unsafe_ones(mm, tmp_path, caplog):
+    """daskllm.engine.matmul-plans: a tuned plan serves its weight shape; one whose configs would
+    reduce otherwise (another block_k) is refused, with a warning, for the built-in plan."""
+    import dataclasses
+
+    import dask
+
+    from daskllm.engines.backends import Heads, TritonBackend
+
+    C = mm.MatmulConfig
+
+    def entries(*plan):
+        return [{"max_rows": limit, "config": dataclasses.asdict(cfg)} for limit, cfg in plan]
+
+    good = ((8, C(64, 16, 32, 4, 2)), (None, C(128, 32, 32, 8, 3)))
+    bad = ((8, C(64, 16, 64, 4, 2)), (None, C(128, 32, 32, 8, 3)))
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"plans": [{"n": 48, "k": 64, "dtype": "bf16", "plan": entries(*good)},
+                                          {"n": 40, "k": 64, "dtype": "bf16", "plan": entries(*bad)}]}))
+    with dask.config.set({"daskllm.engine.matmul-plans": str(path)}):
+        backend = TritonBackend(Heads(4, 2, 16))
+    assert backend.linear(torch.zeros(48, 64, dtype=torch.bfloat16)).plan == good
+    with caplog.at_level(logging.WARNING, logger="daskllm.engines.backends"):
+        refused = backend.linear(torch.zeros(40, 64, dtype=torch.bfloat16))
+    assert refused.plan == mm.default_plan(40, torch.bfloat16, None)
+    assert "matmul-plans" in caplog.text and "block_k" in caplog.text

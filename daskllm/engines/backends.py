@@ -25,6 +25,7 @@ Both read the same KV cache layout: [block, KV head, row in block, d] per layer.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -37,6 +38,8 @@ import torch.nn.functional as F
 
 from daskllm import config, models
 from daskllm.engines.invariant import Linear, pad_rows
+
+logger = logging.getLogger(__name__)
 
 PREFILL_TILE = 256  # CPU: query positions per attention call, bounding memory on long prompts
 KEY_TILE_BLOCKS = 4  # CPU: cache blocks per key tile (64 keys with 16-token blocks): one fixed length
@@ -362,9 +365,15 @@ class TritonBackend:
         self._sms = 0  # streaming multiprocessors of the device, read at the first split decision
 
     def linear(self, weight, bias=None):
-        if self.batch_invariant:
-            return self.kernels.Product(weight, bias, self.matmul_plans.get(self.kernels.plan_key(weight)))
-        return TritonLinear(weight, bias, F.linear)
+        if not self.batch_invariant:
+            return TritonLinear(weight, bias, F.linear)
+        tuned = self.matmul_plans.get(self.kernels.plan_key(weight))
+        if tuned is not None:
+            try:
+                return self.kernels.Product(weight, bias, tuned)
+            except ValueError as error:  # a plan that could change a row's bits with the batch: not used
+                logger.warning("daskllm.engine.matmul-plans: %s; the built-in plan serves instead", error)
+        return self.kernels.Product(weight, bias)
 
     def rms_norm(self, x, weight, eps):
         return self.kernels.rms_norm(x, weight, eps)
