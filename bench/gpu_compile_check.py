@@ -46,6 +46,7 @@ from triton.runtime import driver
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}  # bytes a block may have
+SMS = 132  # an H100's or H200's: where decode steps of few sequences split over the context
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,16 +157,13 @@ def check(args) -> dict:
     walked = steps(args.max_seqs, args.max_tokens, block_size, model.config.max_model_len)
     model.allocate_cache(max(blocks for _, _, blocks in walked), block_size)
     backend = model.backend
-    group = model.config.num_heads // model.config.num_kv_heads
-    # The layout an engine tries first (backends.TritonBackend.prepare): decode tiles of DECODE_ROWS, split.
-    backend.layout = triton_kernels.AttentionLayout(decode_rows=max(triton_kernels.DECODE_ROWS,
-                                                                    triton.next_power_of_2(group)), split=True)
+    # What an engine plans with while it compiles (backends.TritonBackend.prepare), on a GPU of SMS SMs.
+    backend.layout = triton_kernels.fast_layout(model.config.num_heads // model.config.num_kv_heads)
+    backend.sms = SMS
     with torch.inference_mode(), triton_kernels.compile_only(args.workers):
         for label, step, _ in walked:
-            plan = backend.plan(step, block_size)
-            if plan.decode_tiles.shape[0] and plan.decode_tiles.shape[0] <= 16:  # what a GPU's step would split
-                plan.split_chunks = -(-max(s[2] + s[1] for s in step.seqs) // triton_kernels.CHUNK_KEYS)
-            model.run(step.input_ids, step.positions, step.slots, plan, torch.tensor(step.logit_rows))
+            model.run(step.input_ids, step.positions, step.slots, backend.plan(step, block_size),
+                      torch.tensor(step.logit_rows))
     seconds = time.perf_counter() - started
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     limit = SHARED_MEMORY.get(args.arch)

@@ -5,7 +5,8 @@
     python bench/gpu_engine.py --no-cuda-graphs --no-batch-invariant   # the engine's other paths
     python bench/gpu_engine.py --quick                          # smoke run: tiny on the CPU, seconds
 
-The systems (``--systems``; on cuda all three by default, on cpu daskllm and transformers), on the same model (``--model``, default ``llama-1b``: Llama-3.2-1B's shapes, a
+The systems (``--systems``: on cuda all three by default, on cpu daskllm and transformers), on the
+same model (``--model``, default ``llama-1b``: Llama-3.2-1B's shapes, a
 16K vocabulary, dummy weights drawn at load), device (``--device``) and dtype (``--dtype``:
 bfloat16 on cuda, float32 on cpu):
 
@@ -68,6 +69,7 @@ import sys
 import time
 
 import engine as cpu_bench
+import engine_startup
 import numpy as np
 import torch
 from engine import FIRST_TOKEN, Prompts, _median, _plural, measure_decode, measure_prefill, measure_ttft
@@ -508,8 +510,6 @@ def markdown(report: dict, args) -> str:
         lines.append(f"- transformers {m['transformers']}: {t['engine']}, {t['parameters'] / 1e6:.1f}M parameters, "
                      f"attention {t['attn_implementation']}, left-padded batch, no prefix cache.")
     if report.get("startup"):
-        import engine_startup
-
         lines += ["", engine_startup.markdown(report["startup"])]
     return "\n".join(lines)
 
@@ -528,8 +528,6 @@ def device_info(device: str, bandwidth: dict) -> dict:
 
 def measure_startup(args) -> dict:
     """bench/engine_startup.py's cold and warm starts of the engine at its defaults (on this device, in this dtype)."""
-    import engine_startup
-
     log(f"start-up of {args.model}: two fresh processes, empty caches then warm ...")
     startup = engine_startup.measure(argparse.Namespace(
         model=args.model, device=args.device, engine_kwargs=json.dumps({"dtype": args.dtype}),

@@ -106,7 +106,8 @@ def attention_cases(tk, args, dtype, device, gen) -> dict:
     v_cache = torch.randn(shape, generator=gen).to(device, dtype)
     table = torch.randperm(n_blocks + 1, generator=gen)[:n_blocks].to(device, torch.int32)
     q = torch.randn(rows, args.heads, args.head_dim, generator=gen).to(device, dtype)
-    per_tile = attention.positions_per_tile(args.heads // args.kv_heads)
+    group = args.heads // args.kv_heads
+    per_tile, decode_rows = attention.positions_per_tile(group), attention.fast_layout(group).decode_rows
     chunk_keys = args.chunk_keys or attention.CHUNK_KEYS
 
     def path(decode: bool, split: int):
@@ -115,7 +116,7 @@ def attention_cases(tk, args, dtype, device, gen) -> dict:
             tiles = [(0, t0 - lo, min(step, hi - t0), args.prefix + t0) for t0 in range(lo, hi, step)]
             return attention.paged_attention(q[lo:hi].contiguous(), k_cache, v_cache,
                                              torch.tensor(tiles, dtype=torch.int32, device=device), table[None, :],
-                                             tile_rows=attention.DECODE_ROWS if decode else attention.PREFILL_ROWS,
+                                             tile_rows=decode_rows if decode else attention.PREFILL_ROWS,
                                              split_chunks=split, chunk_keys=chunk_keys)
         return run
 

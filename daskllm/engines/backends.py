@@ -130,22 +130,6 @@ class _Tokens:
     offset: torch.Tensor  # [N]: its row in that block
 
 
-def rope_and_cache(backend: Backend, qkv: torch.Tensor, tokens: _Tokens, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, heads: Heads, q_norm, k_norm, eps: float) -> torch.Tensor:
-    """Backend.rope_and_cache by torch's own operations (norms by ``backend.rms_norm``)."""
-    n, (h, hkv, d) = qkv.shape[0], (heads.num_heads, heads.num_kv_heads, heads.head_dim)
-    if q_norm is not None:
-        q = rope(backend.rms_norm(qkv[:, :h * d].reshape(n, h, d), q_norm, eps), tokens.cos, tokens.sin)
-        k = rope(backend.rms_norm(qkv[:, h * d:(h + hkv) * d].reshape(n, hkv, d), k_norm, eps), tokens.cos,
-                 tokens.sin)
-    else:  # q and k rotated by one call: their heads sit side by side in qkv
-        qk = rope(qkv[:, :(h + hkv) * d].view(n, h + hkv, d), tokens.cos, tokens.sin)
-        q, k = qk[:, :h], qk[:, h:]
-    k_cache[tokens.block, :, tokens.offset] = k
-    v_cache[tokens.block, :, tokens.offset] = qkv[:, (h + hkv) * d:].view(n, hkv, d)
-    return q
-
-
 def select(device: torch.device, heads: Heads, *, batch_invariant: bool = True, kind: str | None = None) -> Backend:
     """The backend for a device and a model's attention shape: Triton kernels on CUDA, the CPU
     backend elsewhere; ``kind`` forces one ("cpu" or "triton")."""
@@ -198,8 +182,17 @@ class CpuBackend:
         return _Tokens(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), slots // block_size,
                        slots % block_size)
 
-    def rope_and_cache(self, qkv, tokens, k_cache, v_cache, heads, q_norm, k_norm, eps):
-        return rope_and_cache(self, qkv, tokens, k_cache, v_cache, heads, q_norm, k_norm, eps)
+    def rope_and_cache(self, qkv, tokens: _Tokens, k_cache, v_cache, heads, q_norm, k_norm, eps):
+        n, (h, hkv, d) = qkv.shape[0], (heads.num_heads, heads.num_kv_heads, heads.head_dim)
+        if q_norm is not None:
+            q = rope(rms_norm(qkv[:, :h * d].reshape(n, h, d), q_norm, eps), tokens.cos, tokens.sin)
+            k = rope(rms_norm(qkv[:, h * d:(h + hkv) * d].reshape(n, hkv, d), k_norm, eps), tokens.cos, tokens.sin)
+        else:  # q and k rotated by one call: their heads sit side by side in qkv
+            qk = rope(qkv[:, :(h + hkv) * d].view(n, h + hkv, d), tokens.cos, tokens.sin)
+            q, k = qk[:, :h], qk[:, h:]
+        k_cache[tokens.block, :, tokens.offset] = k
+        v_cache[tokens.block, :, tokens.offset] = qkv[:, (h + hkv) * d:].view(n, hkv, d)
+        return q
 
     def plan(self, step: StepInput, block_size: int) -> list[_Group]:
         """The step's queries as attention calls: all decodes in one, each prefill in tiles."""
@@ -318,16 +311,16 @@ class PagedPlan:
     split_chunks: int = 0  # chunk programs per decode tile (0: one program walks the whole context)
 
 
-class TritonLinear:
-    """A projection by ``product(x, weight, bias)``: cuBLAS's F.linear (not batch-invariant)."""
+class CublasLinear:
+    """A projection by cuBLAS (``F.linear``): not batch-invariant."""
 
-    __slots__ = ("weight", "bias", "product")
+    __slots__ = ("weight", "bias")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, product: Callable):
-        self.weight, self.bias, self.product = weight, bias, product
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass(slots=True)
@@ -362,11 +355,11 @@ class TritonBackend:
         self.layout = triton_kernels.AttentionLayout()
         self.positions_per_tile = triton_kernels.positions_per_tile(heads.num_heads // heads.num_kv_heads,
                                                                     self.layout.prefill_rows)
-        self._sms = 0  # streaming multiprocessors of the device, read at the first split decision
+        self.sms = 0  # the device's streaming multiprocessors: read at the first split decision
 
     def linear(self, weight, bias=None):
         if not self.batch_invariant:
-            return TritonLinear(weight, bias, F.linear)
+            return CublasLinear(weight, bias)
         tuned = self.matmul_plans.get(self.kernels.plan_key(weight))
         if tuned is not None:
             try:
@@ -411,13 +404,13 @@ class TritonBackend:
         """Programs per decode tile and KV head sharing its context's chunks, where (tile, KV head)
         programs alone are too few to fill the device (about two per SM); 0 where they are enough,
         or where the split is not exact here (``layout.split``). Either way a row gets the same bits."""
-        if not self._sms:
-            self._sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 1
+        if not self.sms:
+            self.sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 1
         programs = decode_tiles * self.heads.num_kv_heads
         chunks = -(-max_context // self.kernels.CHUNK_KEYS)
-        if not self.layout.split or chunks < 2 or not 0 < programs < self._sms:
+        if not self.layout.split or chunks < 2 or not 0 < programs < self.sms:
             return 0
-        return min(chunks, -(-2 * self._sms // programs))
+        return min(chunks, -(-2 * self.sms // programs))
 
     # --- what this device computes exactly ----------------------------------------------------------
 
@@ -437,9 +430,7 @@ class TritonBackend:
         verification launches them) and those of the steps ``walk()`` runs, planned with the
         fastest layout. Then, for real: the attention layout this device computes exactly
         (:meth:`check`) and each product's verified plan."""
-        group = self.heads.num_heads // self.heads.num_kv_heads
-        self.layout = self.kernels.AttentionLayout(
-            decode_rows=max(self.kernels.DECODE_ROWS, 1 << (group - 1).bit_length()), split=True)
+        self.layout = self.kernels.fast_layout(self.heads.num_heads // self.heads.num_kv_heads)
         products = [p for p in projections if isinstance(p, self.kernels.Product)]
         with self.kernels.compile_only(workers):
             self.check(device, dtype)

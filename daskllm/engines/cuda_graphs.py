@@ -8,7 +8,7 @@ Two families of buckets, as vLLM's piecewise graphs bucket by token count:
 
 * **decode**: B sequences of one new token each (1, 2, 4, 8, then every 16 up to
   ``max_num_seqs``); every row's logits come back;
-* **mixed**: any step of at most T tokens (16 ... ``max_graph_tokens``, each bucket at most
+* **mixed**: any step of at most T tokens (16 ... ``MAX_GRAPH_TOKENS``, each bucket at most
   1.5x the one below), prefill chunks and decodes together; the wanted rows' logits are
   gathered.
 
@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 # nano-vllm's and vLLM's decode sizes: every size up to 8, then steps of 16.
 _DECODE = (1, 2, 4, 8, *range(16, 1025, 16))
 # Token counts of mixed steps: powers of two and the halfway points, so padding wastes < 1/3.
-_MIXED = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-MAX_GRAPH_TOKENS = 2048  # beyond it the step's kernels outlast their launches: eager
+_MIXED = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+MAX_GRAPH_TOKENS = _MIXED[-1]  # beyond it the step's kernels outlast their launches: eager
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -63,11 +63,10 @@ class Bucket:
 class StepGraphs:
     """Captured steps of one :class:`~daskllm.engines.llama.LlamaModel` (cache allocated, Triton backend)."""
 
-    def __init__(self, model, max_seqs: int, max_tokens: int, max_graph_tokens: int = MAX_GRAPH_TOKENS,
-                 capture: bool = True):
+    def __init__(self, model, max_seqs: int, max_tokens: int, capture: bool = True):
         self.model = model
         backend = model.backend
-        top = min(max_tokens, max_graph_tokens)
+        top = min(max_tokens, MAX_GRAPH_TOKENS)
         mixed = [t for t in _MIXED if t < top] + [top] if top >= _MIXED[0] else []
 
         def mixed_bucket(tokens: int) -> Bucket:
@@ -80,10 +79,10 @@ class StepGraphs:
         self.largest = mixed_bucket(max_tokens)  # an eager step's most: compiled for, never captured
         every = self.decode + self.mixed + [self.largest]
         self.width = -(-model.config.max_model_len // model.block_size)  # block-table columns
-        sizes = {"ids": max(b.tokens for b in every), "positions": 0, "slots": 0,
-                 "logit_rows": max(b.logit_rows for b in every), "decode_tiles": 4 * max(b.decode_tiles for b in every),
+        tokens = max(b.tokens for b in every)
+        sizes = {"ids": tokens, "positions": tokens, "slots": tokens, "logit_rows": max(b.logit_rows for b in every),
+                 "decode_tiles": 4 * max(b.decode_tiles for b in every),
                  "prefill_tiles": 4 * max(b.prefill_tiles for b in every), "tables": max_seqs * self.width}
-        sizes["positions"] = sizes["slots"] = sizes["ids"]
         # One int32 buffer holds every input, tables last: a step uploads its used prefix in one copy.
         self._offsets, offset = {}, 0
         for name, size in sizes.items():
@@ -94,17 +93,15 @@ class StepGraphs:
         self._np = self._host.numpy()
         self._dev = torch.zeros(offset, dtype=torch.int32, device=model.device)
         self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.capture_seconds = 0.0
         if pinned and capture:
             start = time.perf_counter()
             self._fill_padding(self.largest)
             pool = torch.cuda.graph_pool_handle()
             for bucket in sorted(self.decode + self.mixed, key=lambda b: (b.tokens, b.prefill_tiles), reverse=True):
                 self._graphs[bucket] = self._capture(bucket, pool)  # largest first: smaller ones reuse its memory
-            self.capture_seconds = time.perf_counter() - start
             logger.info("captured %d step graphs (decode batches %s; mixed steps of %s tokens) in %.1f s",
                         len(self._graphs), [b.tokens for b in self.decode], [b.tokens for b in self.mixed],
-                        self.capture_seconds)
+                        time.perf_counter() - start)
 
     @torch.inference_mode()
     def walk(self) -> None:

@@ -78,7 +78,7 @@ class TorchEngine(SteppingEngine):
         num_blocks = kv_cache_tokens // self.block_size
         if num_blocks < 1:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} holds no block of {self.block_size} tokens")
-        phases.done("model")  # weights read (or drawn) and prepared, the products' kernels checked
+        phases.done("model")  # weights read (or drawn) and prepared, the tokenizer loaded
         self._compute(self.model.allocate_cache, num_blocks, self.block_size)
         phases.done("kv_cache")
         self._blocks = BlockManager(num_blocks, self.block_size)

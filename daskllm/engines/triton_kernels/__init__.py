@@ -27,6 +27,7 @@ from daskllm.engines.triton_kernels.attention import (
     KV_TILE,
     PREFILL_ROWS,
     AttentionLayout,
+    fast_layout,
     paged_attention,
     positions_per_tile,
     self_check,
@@ -35,6 +36,6 @@ from daskllm.engines.triton_kernels.matmul import MatmulConfig, Product, load_pl
 from daskllm.engines.triton_kernels.norms import add_rms_norm, rms_norm, silu_mul
 from daskllm.engines.triton_kernels.rotary import rope_and_cache
 
-__all__ = ["CHUNK_KEYS", "DECODE_ROWS", "KV_TILE", "PREFILL_ROWS", "AttentionLayout", "MatmulConfig", "Product", "add_rms_norm", "compile_only", "compiling_only", "load_plans",
+__all__ = ["CHUNK_KEYS", "DECODE_ROWS", "KV_TILE", "PREFILL_ROWS", "AttentionLayout", "MatmulConfig", "Product", "add_rms_norm", "compile_only", "compiling_only", "fast_layout", "load_plans",
            "matmul", "paged_attention", "plan_key", "positions_per_tile", "rms_norm", "rope_and_cache", "self_check",
            "silu_mul", "verify"]

@@ -51,6 +51,12 @@ class AttentionLayout:
     split: bool = False
 
 
+def fast_layout(group: int) -> AttentionLayout:
+    """The layout an engine tries first: decode tiles of DECODE_ROWS (at least one position's
+    ``group`` heads) and the split, to be kept only where :func:`self_check` finds them exact."""
+    return AttentionLayout(decode_rows=max(DECODE_ROWS, triton.next_power_of_2(group)), split=True)
+
+
 def _launch(rows: int, dtype: torch.dtype) -> tuple[int, int]:
     """(num_warps, num_stages) of a tile shape, the same for the in-program and split kernels.
 
@@ -303,7 +309,7 @@ def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_he
                                chunk_keys=chunk_keys)
 
     want = attend(prefill, PREFILL_ROWS, 0)
-    decode_rows = max(DECODE_ROWS, triton.next_power_of_2(group))
+    decode_rows = fast_layout(group).decode_rows
     checks = {"decode_tile": torch.equal(attend(decode, decode_rows, 0), want),
               "split": torch.equal(attend(prefill, PREFILL_ROWS, split_chunks), want),
               "split_decode_tile": torch.equal(attend(decode, decode_rows, split_chunks), want)}

@@ -369,20 +369,10 @@ class Product:
         return run_config(x, self.weight, self.bias, _pick(self.plan, x.shape[0]))
 
 
-_PLANS: dict[tuple, Plan] = {}  # (N, K, dtype, device) -> the plan matmul() uses
-
-
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [M, K], weight [N, K], every row batch-invariant (the default
-    plan of the weight's shape, verified on the first weight of that shape)."""
-    key = (*weight.shape, weight.dtype, weight.device)
-    plan = _PLANS.get(key)
-    if plan is None:
-        product = Product(weight)
-        plan = product.plan if product.checked else product.check()
-        if not compiling_only():
-            _PLANS[key] = plan
-    return run_config(x, weight, bias, _pick(plan, x.shape[0]))
+    """``F.linear(x, weight, bias)`` for x [M, K], weight [N, K], every row batch-invariant: the
+    default plan of the weight's shape (verified once per shape on CUDA, as any Product's)."""
+    return Product(weight, bias)(x)
 
 
 def load_plans(path: str | os.PathLike) -> dict[PlanKey, Plan]:
