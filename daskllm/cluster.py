@@ -28,6 +28,7 @@ from daskllm import config
 from daskllm.adaptive import AdaptiveTarget
 from daskllm.dashboard import DashboardPlugin
 from daskllm.engines import EngineSpec, sizing
+from daskllm.engines.vllm import CPU_BLOCK_MULTIPLE
 from daskllm.ledger import UsageLedger
 from daskllm.models import DEFAULT_EMBEDDING_MODEL, resolve
 from daskllm.placement import PlacementPlugin
@@ -117,6 +118,19 @@ def discover_gpus() -> list[str]:
         return []
 
 
+def settings_for_vllm(on_cpu: bool) -> None:
+    """What vLLM engines need of the whole cluster, set in this process's config (which the
+    nannies give their workers): workers that may start child processes (vLLM's engine core)
+    and, on CPU, KV blocks of a multiple of 32 tokens, the one block size that the engines,
+    the planner and the placement plugin all hash prompts with."""
+    dask.config.set({"distributed.worker.daemon": False})
+    block = config.get("engine.block-size")
+    if on_cpu and block % CPU_BLOCK_MULTIPLE:
+        logger.info("daskllm.engine.block-size %d -> %d: vLLM's CPU build keeps blocks of a multiple of %d tokens",
+                    block, CPU_BLOCK_MULTIPLE, CPU_BLOCK_MULTIPLE)
+        dask.config.set({"daskllm.engine.block-size": CPU_BLOCK_MULTIPLE})
+
+
 def scheduler_plugins(placement: str | None = None) -> list:
     """The scheduler plugins of a daskllm cluster (LocalLLMCluster's, and the ``dask llm
     scheduler`` preload's): placement (none with ``"off"``), stream clean-up, the dashboard's
@@ -182,6 +196,8 @@ class LocalLLMCluster(LocalCluster):
             # vLLM runs its engine core in a child process, which daemonic workers may not
             # have. The nanny reads this when it (re)starts a worker, so it stays set.
             dask.config.set({"distributed.worker.daemon": False})
+        if any(s.kind == "llm" and (s.backend or config.get("engine.backend")) == "vllm" for s in self.engine_specs):
+            settings_for_vllm(on_cpu=not self.gpus)
         n_workers = 1 if n_workers is None else n_workers
         defaults = dict(engine_options or {})
         if not self.gpus:

@@ -96,15 +96,17 @@ class EngineSpec:
         if backend not in BACKENDS:
             raise ValueError(f"daskllm.engine.backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
-            from daskllm.engines.vllm import unavailable_reason  # here: vllm is imported only where it may serve
-
-            backend = "torch" if unavailable_reason() else "vllm"
+            backend = "vllm" if _cuda_with_vllm() else "torch"
             if backend == "torch" and self.kind == "llm" and self._has_gguf():
                 from daskllm.engines.llamacpp import unavailable_reason as no_llamacpp
 
                 backend = "torch" if no_llamacpp() else "llamacpp"
         if backend == "llamacpp" and self.kind != "llm":
             backend = "torch"  # llama.cpp here serves LLMs; embedders and rerankers run on torch
+        if backend == "vllm" and self.kind != "llm" and not _cuda():
+            # On CPU, vLLM serves LLMs: a pooling engine would be another vLLM process per
+            # worker (seconds of start-up, a GB of memory) for a small encoder torch serves well.
+            backend = "torch"
         return backend
 
     def _has_gguf(self) -> bool:
@@ -153,6 +155,23 @@ class EngineSpec:
         from daskllm.engines.torch_engine import TorchEngine
 
         return TorchEngine(self.model, name=self.engine_name, **options)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cuda_with_vllm() -> bool:
+    """``auto``'s rule for vLLM: a CUDA GPU and an importable vllm. On CPU machines the torch and
+    llama.cpp engines serve: vLLM's CPU build starts in 35-55 s against their few seconds
+    (docs/vllm.md, "vLLM on CPU")."""
+    if not _cuda():
+        return False
+    from daskllm.engines.vllm import unavailable_reason  # here: vllm is imported only where it may serve
+
+    return unavailable_reason() is None
 
 
 __all__ = ["BACKENDS", "CacheState", "Completion", "Engine", "EngineSpec", "EngineStats", "PrefillHandle",

