@@ -18,6 +18,7 @@ import pytest
 from distributed import Client
 
 from daskllm import LocalLLMCluster
+from helpers import VLLM_BLOCK, vllm_unavailable
 
 # A test using the llm_cluster fixture (directly or through another fixture) starts worker
 # processes and loads engines: it is marked with this, and `-m "not slow"` leaves it out.
@@ -146,6 +147,29 @@ def stdlib_corpus(daskllm_cache) -> pathlib.Path:
     from daskllm.corpus import corpus_path
 
     return corpus_path()
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(tiny_model_dir) -> Iterator[dict]:
+    """The session's real vLLM engines on ``tiny`` (each starts in 35-55 s, so the modules that
+    need one share these): ``main``, 4096 tokens of cache; ``small``, 512 tokens (16 blocks of
+    32), prefill chunks of 32 tokens and 8 sequences a step: it evicts, preempts and chunks, and
+    the engine protocol suite's last test closes it.
+    Skips, saying why, where vLLM cannot run."""
+    if reason := vllm_unavailable():
+        pytest.skip(reason)
+    from daskllm.engines import EngineSpec
+
+    spec = EngineSpec(model=str(tiny_model_dir), name="tiny", backend="vllm")
+    engines: dict = {}
+    try:
+        engines["main"] = spec.load(block_size=VLLM_BLOCK, kv_cache_tokens=4096)
+        engines["small"] = spec.load(block_size=VLLM_BLOCK, kv_cache_tokens=512, max_num_batched_tokens=32,
+                                     max_num_seqs=8)
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
 @contextlib.contextmanager

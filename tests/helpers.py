@@ -7,6 +7,20 @@ import torch
 from daskllm.placement import set_policy  # noqa: F401 (tests import it from here)
 from daskllm.runtime.control import cold_start  # noqa: F401 (tests import it from here)
 
+# The block size of vLLM engines here: vLLM's CPU build keeps blocks of a multiple of 32 tokens.
+from daskllm.engines.vllm import CPU_BLOCK_MULTIPLE as VLLM_BLOCK  # noqa: E402
+
+
+def vllm_unavailable() -> str | None:
+    """Why this process cannot run the real-vLLM tests (marker ``vllm``), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed in this environment: make test-vllm runs these tests in .venv-vllm (make vllm)"
+    from daskllm.engines.vllm import unavailable_reason
+
+    return unavailable_reason()
+
 
 # --- the forward pass, bit for bit -----------------------------------------------------------
 #

