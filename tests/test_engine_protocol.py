@@ -303,12 +303,12 @@ def test_chunked_prefill_equals_alone(backend, chunked_engine, reference):
 
 
 def test_matches_transformers_greedy(backend, tiny_model_dir, reference):
-    """float32: the same tokens as transformers' generate, bit for bit. bfloat16: transformers'
+    """float32 (torch, and vLLM's CPU build): the same tokens as transformers' generate, bit for bit. bfloat16: transformers'
     own bf16 products round differently with the number of rows (its CPU GEMM is not
     batch-invariant, ours is), so equality cannot be promised; the first token must agree and
     at least 3 of the 4 sequences (measured: 4 of 4 here, and 9 of 10 over all PROMPTS)."""
-    if not backend.startswith("torch"):
-        pytest.skip("agreement with transformers is only promised by the torch engine")
+    if backend == "llamacpp":
+        pytest.skip("agreement with transformers is only promised by the float32 engines (torch, vLLM)")
     import torch
     from transformers import LlamaForCausalLM
 

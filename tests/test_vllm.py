@@ -1,10 +1,13 @@
-"""The vLLM backend, from the side a machine without a GPU can check.
+"""The vLLM backend: choosing it, its errors, its translations, and a real engine's features.
 
-The engine itself runs the whole Engine-protocol suite (tests/test_engine_protocol.py) where
-a CUDA GPU and vllm are present, and bench/gpu_smoke.py runs it through the task graph.
-Here: choosing the backend, the clear errors where vLLM cannot run, the translations
-between our types and vLLM's (pure functions, tested with plain values), and dummy-weight
-recipes, which the torch engine loads too.
+The engine itself runs the whole Engine-protocol suite (tests/test_engine_protocol.py, its
+vllm half) on vLLM's CPU build in .venv-vllm (``make test-vllm``), and
+tests/test_vllm_cluster.py runs everything above the engine on vLLM workers. Here: choosing
+the backend, the clear errors where vLLM cannot run, the translations between our types and
+vLLM's (pure functions, tested with plain values), dummy-weight recipes, and (marker
+``vllm``, on the session's real engine) what the protocol suite does not cover: constrained
+output through vLLM's structured outputs, logprobs, KV events as cache state, and the
+tokens against the torch engine's.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
+import time
 
 import pytest
 
 from daskllm import models
-from daskllm.engines import EngineSpec, SamplingParams
+from daskllm.engines import EngineSpec, SamplingParams, StructuredOutput
 from daskllm.engines.kv_cache import block_hashes
 from daskllm.engines.vllm import KVEventTranslator, PrefixShadow, finish_reason, sampling_kwargs, unavailable_reason
 
@@ -156,3 +161,117 @@ def test_vllm_engine_options_reach_the_engine_args():
             "gpu_memory_utilization", "dtype", "max_model_len", "seed", "enforce_eager", "load_format",
             "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_events_config"} <= fields
     assert vllm.SamplingParams(**sampling_kwargs(SamplingParams(max_tokens=3, stop=("x",), seed=1))).max_tokens == 3
+
+
+# --- a real vLLM engine (marker vllm: make test-vllm) -----------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "year": {"type": "integer", "minimum": 0, "maximum": 3000}},
+          "required": ["name", "year"], "additionalProperties": False}
+QUESTIONS = [f"Question {i}: what is {i} + {i}?" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(vllm_engines):
+    engine = vllm_engines["main"]
+    assert engine.reset_prefix_cache()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def torch_engine(tiny_model_dir):
+    from daskllm.engines.torch_engine import TorchEngine
+
+    with TorchEngine(str(tiny_model_dir), name="tiny", kv_cache_tokens=4096, device="cpu") as engine:
+        yield engine
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    """Polls ``condition`` (KV events arrive after a request's output) until a deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+
+
+def _both(vllm_engine, torch_engine, prompts, params):
+    return [e.generate(prompts, params) for e in (vllm_engine, torch_engine)]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("constraint", [StructuredOutput.json_schema(PERSON),
+                                        StructuredOutput.choice(["red", "green", "dark purple"]),
+                                        StructuredOutput.regex(r"[0-9]{3}-[a-z]{2,4}")],
+                         ids=["json_schema", "choice", "regex"])
+def test_structured_outputs_give_the_torch_engine_s_greedy_tokens(vllm_engine, torch_engine, constraint):
+    """Both engines mask with llguidance over the same grammar, so greedy constrained decoding
+    picks the same tokens; seeded sampling stays inside the grammar."""
+    params = SamplingParams(max_tokens=32, structured=constraint)
+    ours, theirs = _both(vllm_engine, torch_engine, QUESTIONS, params)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert [c.finish_reason for c in ours] == [c.finish_reason for c in theirs] == ["eos"] * len(QUESTIONS)
+    sampled = vllm_engine.generate(QUESTIONS, params.replace(temperature=1.0, seed=3))
+    for c in ours + sampled:
+        if constraint.kind == "json_schema":
+            obj = json.loads(c.text)
+            assert list(obj) == ["name", "year"] and len(obj["name"]) <= 8 and 0 <= obj["year"] <= 3000
+        elif constraint.kind == "choice":
+            assert c.text in ("red", "green", "dark purple")
+        else:
+            assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", c.text), c.text
+
+
+@pytest.mark.vllm
+def test_required_tool_calls_follow_the_tools_schemas(vllm_engine, torch_engine):
+    """``tool_choice: required`` over two tools is JSON-schema output of a list of calls (the
+    serve routes build it so): the same tokens on both engines, each call valid."""
+    from daskllm.serve.tools import tools_of
+
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    tools = tools_of([{"type": "function", "function": {"name": name, "parameters": city}}
+                      for name in ("weather", "time")], "required", False)  # one call: random weights ramble
+    params = SamplingParams(max_tokens=96, structured=StructuredOutput.json_schema(tools.schema()))
+    ours, theirs = _both(vllm_engine, torch_engine, QUESTIONS[:4], params)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    for c in ours:
+        calls = json.loads(c.text)
+        assert calls and all(call["name"] in ("weather", "time") and set(call["parameters"]) == {"city"}
+                             for call in calls), c.text
+
+
+@pytest.mark.vllm
+def test_logprobs_are_the_torch_engine_s(vllm_engine, torch_engine):
+    """Chosen and top-k log-probabilities of the processed distribution: numerically the torch
+    engine's (within float32 rounding), for greedy and masked requests; asking changes no token."""
+    for params in (SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3),
+                   SamplingParams(max_tokens=1, allowed_token_ids=(100, 200, 300), logprobs=2)):
+        ours, theirs = _both(vllm_engine, torch_engine, QUESTIONS[:4], params)
+        plain = vllm_engine.generate(QUESTIONS[:4], params.replace(logprobs=None))
+        for a, b, p in zip(ours, theirs, plain):
+            assert a.token_ids == b.token_ids == p.token_ids and p.logprobs is None
+            assert len(a.logprobs) == len(a.top_logprobs) == len(a.token_ids)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+            for top_a, top_b, chosen in zip(a.top_logprobs, b.top_logprobs, a.token_ids):
+                assert chosen in top_a
+                assert set(top_a) - {chosen} == set(top_b) - {chosen}
+                assert all(top_a[t] == pytest.approx(top_b[t], abs=1e-3) for t in top_b if t in top_a)
+
+
+@pytest.mark.vllm
+def test_kv_events_are_the_cache_state_placement_reads(vllm_engine):
+    """cache_state() is built from vLLM's own KV-cache events, in our block hashes: a prompt's
+    full blocks appear once it ran, a prefill handle names them, a reset clears them all."""
+    bs = vllm_engine.block_size
+    prompt = list(range(1000, 1000 + 3 * bs + 5))
+    assert vllm_engine.reset_prefix_cache()
+    assert not vllm_engine.cache_state().resident_hashes
+    handle = vllm_engine.prefill(prompt)
+    assert handle.block_hashes == tuple(block_hashes(prompt, bs))[:3]
+    _until(lambda: set(handle.block_hashes) <= vllm_engine.cache_state().resident_hashes,
+           "the prefilled blocks reported by KV events")
+    done = vllm_engine.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=60)
+    assert done.num_cached_tokens == 3 * bs
+    assert vllm_engine.reset_prefix_cache()
+    assert not vllm_engine.cache_state().resident_hashes
+    assert vllm_engine.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=60) \
+        .num_cached_tokens == 0

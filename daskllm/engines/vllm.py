@@ -162,6 +162,21 @@ def finish_reason(reason: str | None, stop_reason: int | str | None) -> str:
     raise RuntimeError(f"vLLM finished a request with reason {reason!r} ({stop_reason!r})")
 
 
+def completion(request_id: str, prompt: list[int], out, cached: int, structured: bool) -> Completion:
+    """A vLLM ``CompletionOutput`` as our Completion. Under a grammar the EOS vLLM samples once
+    the grammar is complete is left out, as the torch engine ends there without sampling it."""
+    token_ids, text = list(out.token_ids), out.text
+    reason = finish_reason(out.finish_reason, out.stop_reason)
+    chosen, top = chosen_logprobs(out)
+    if structured and reason == "eos" and out.stop_reason is None and token_ids:
+        token_ids = token_ids[:-1]
+        chosen, top = (chosen[:-1], top[:-1]) if chosen is not None else (None, None)
+    return Completion(request_id, prompt, token_ids, text, reason, cached, chosen, top)
+
+
+_ALL_CLEARED = type("AllBlocksCleared", (), {})()
+
+
 class KVEventTranslator:
     """vLLM's KV-cache events as our chained block hashes.
 
@@ -460,9 +475,10 @@ class VLLMEngine(BatchingEngine):
 
     def reset_prefix_cache(self) -> bool:
         done = bool(self._call(self._engine.reset_prefix_cache()))
-        if done:
+        if done:  # vLLM's AllBlocksCleared event may come later: an empty cache holds nothing now
             with self._lock:
                 self._shadow.clear()
+                self._translator.apply(_ALL_CLEARED)
         return done
 
     def close(self) -> None:
@@ -549,9 +565,8 @@ class VLLMEngine(BatchingEngine):
         if prefill_hashes is not None:
             result = PrefillHandle(self.name, len(ids), cached, self.block_size, prefill_hashes)
         else:
-            out = final.outputs[0]
-            result = Completion(request_id, ids, list(out.token_ids), out.text,
-                                finish_reason(out.finish_reason, out.stop_reason), cached, *chosen_logprobs(out))
+            result = completion(request_id, ids, final.outputs[0], cached,
+                                vllm_params.structured_outputs is not None)
         if future.set_running_or_notify_cancel():
             future.set_result(result)
 
