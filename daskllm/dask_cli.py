@@ -21,7 +21,8 @@ import dask
 from distributed.cli.dask_scheduler import main as dask_scheduler
 from distributed.cli.dask_worker import main as dask_worker
 
-from daskllm.cluster import DASHBOARD_ADDRESS, NO_MALLOC_TRIM, scheduler_plugins
+from daskllm import config
+from daskllm.cluster import DASHBOARD_ADDRESS, NO_MALLOC_TRIM, discover_gpus, scheduler_plugins, settings_for_vllm
 from daskllm.placement import POLICIES
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
@@ -110,6 +111,8 @@ def worker(address: str | None, scheduler_file: str | None, models: tuple[str, .
     args += (["--daskllm-backend", backend] if backend else []) + \
         (["--daskllm-threads", str(engine_threads)] if engine_threads else [])
     dask.config.set(NO_MALLOC_TRIM)  # for this process's nannies: Dask's setting slows torch
+    if (backend or config.get("engine.backend")) == "vllm":  # non-daemonic workers; 32-token blocks on CPU
+        settings_for_vllm(on_cpu=not discover_gpus())
     dask_worker.main(args, prog_name="dask llm worker")
 
 

@@ -55,6 +55,7 @@ from daskllm.engines.protocol import (
     check_params,
     encode_prompt,
 )
+from daskllm.engines.vllm_plugin import PARENT_ENV
 
 logger = logging.getLogger(__name__)
 _request_ids = itertools.count()
@@ -393,7 +394,8 @@ class VLLMEngine(BatchingEngine):
             args["enable_chunked_prefill"] = False
             args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"], self.max_model_len)
         args.update(engine_args)
-        self._environ = cpu_environment(num_threads) if cpu else {}
+        # The engine core ends with this process, however it ends (daskllm.engines.vllm_plugin).
+        self._environ = {PARENT_ENV: str(os.getpid()), **(cpu_environment(num_threads) if cpu else {})}
         self._stats = EngineStats()
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}

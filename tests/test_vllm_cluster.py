@@ -1,0 +1,283 @@
+"""Everything above the engine, on workers with real vLLM engines (vLLM's CPU build here).
+
+One cluster for the module, started as a user starts one: ``dask llm scheduler``, one worker
+with ``dask llm worker --backend vllm`` and one with plain ``dask worker --preload
+daskllm.preload --daskllm-backend vllm``, each holding a vLLM engine on ``tiny`` and the
+MiniLM embedder (on torch). Every process runs in one process group that the fixture ends,
+so an engine core cannot outlive the module. The last test SIGKILLs a worker mid-job.
+Marker ``vllm``: ``make test-vllm`` runs these in .venv-vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import cloudpickle
+import dask
+import pytest
+from distributed import Client
+
+import daskllm
+from daskllm.worker import engine_stats, reset_prefix_caches, resident_models
+from daskllm.worker.results import RESULTS
+from helpers import VLLM_BLOCK, cold_start, set_policy, vllm_unavailable
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+
+BIN = pathlib.Path(sys.executable).parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # client.run's functions, by value
+NAIVE = {"passes": [], "granularity": "query", "result_cache": False}
+QUESTIONS = [f"Question {i}: what does module number {i} of the standard library do?" for i in range(12)]
+SYSTEMS = [f"System prompt {n}: you are assistant number {n}. Answer in one short sentence. " * 4 for n in range(3)]
+ENGINE = ("--option", "kv_cache_tokens=4096")
+START_DEADLINE = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _until(condition: Callable[[], object], what: str, timeout: float, *procs: subprocess.Popen):
+    """Polls ``condition`` until it holds; fails at the deadline or when one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args[:3]} exited with {proc.returncode} while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+    return value
+
+
+def _engine_cores(worker_pid: int) -> list[int]:
+    """The pids of a worker's vLLM engine-core processes (its children named VLLM::EngineCore)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(worker_pid).children(recursive=True):
+        try:
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[dict]:
+    if reason := vllm_unavailable():
+        pytest.skip(reason)
+    logs = tmp_path_factory.mktemp("vllm-cluster")
+    port, dashboard = _free_port(), _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    # PYTHONPATH: the workers import the reference pipelines from this checkout, as the client does
+    env = {**os.environ, "DASK_DASKLLM__ENGINE__BLOCK_SIZE": str(VLLM_BLOCK), "PYTHONPATH": str(ROOT)}
+    commands = {
+        "scheduler": [BIN / "dask", "llm", "scheduler", "--host", "127.0.0.1", "--port", port,
+                      "--dashboard-address", f"127.0.0.1:{dashboard}"],
+        # dask llm worker makes its workers non-daemonic for vLLM itself
+        "llm-worker": [BIN / "dask", "llm", "worker", address, "--model", "tiny", "--backend", "vllm",
+                       "--embedder", "all-MiniLM-L6-v2", "--reranker", "all-MiniLM-L6-v2", "--nthreads", "4", "--no-dashboard", "--name", "llm-worker",
+                       "--engine-threads", "1", *ENGINE],
+        # plain dask worker: the user sets what docs/vllm.md says
+        "preload-worker": [BIN / "dask", "worker", address, "--nthreads", "4", "--no-dashboard", "--name",
+                           "preload-worker", "--preload", "daskllm.preload", "--daskllm-model", "tiny",
+                           "--daskllm-backend", "vllm", "--daskllm-embedder", "all-MiniLM-L6-v2",
+                           "--daskllm-reranker", "all-MiniLM-L6-v2",
+                           "--daskllm-threads", "1", "--daskllm-option", "kv_cache_tokens=4096"],
+    }
+    procs: dict[str, subprocess.Popen] = {}
+    group = None
+    try:
+        for name, command in commands.items():
+            extra = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if name == "preload-worker" else {}
+            log = (logs / f"{name}.log").open("w")
+            procs[name] = subprocess.Popen([str(c) for c in command], stdout=log, stderr=subprocess.STDOUT,
+                                           env={**env, **extra}, process_group=group or 0)
+            group = group or procs[name].pid  # every process in the scheduler's group
+        with dask.config.set({"daskllm.engine.block-size": VLLM_BLOCK}), \
+                Client(address, timeout=60, set_as_default=True) as client:
+            _until(lambda: len(client.scheduler_info()["workers"]) == 2, "two workers", START_DEADLINE,
+                   *procs.values())
+            resident = _until(lambda: resident_models(client), "resident engines", START_DEADLINE, *procs.values())
+            assert list(resident.values()) == [["tiny"]] * 2
+            assert list(resident_models(client, "embed").values()) == [["all-MiniLM-L6-v2"]] * 2
+            yield {"client": client, "address": address, "dashboard": dashboard, "procs": procs, "logs": logs}
+    finally:
+        if group is not None:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)
+            for proc in procs.values():
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)  # engine cores included
+
+
+@pytest.fixture
+def client(cluster):
+    client = cluster["client"]
+    cold_start(client)
+    set_policy(client, "cache_aware")
+    return client
+
+
+def _engines(dask_worker) -> dict:
+    from daskllm.worker import PLUGIN_NAME
+
+    host = dask_worker.plugins[PLUGIN_NAME]
+    return {f"{kind}:{name}": type(engine).__name__ for kind, engines in host.engines.items()
+            for name, engine in engines.items()}
+
+
+def test_workers_hold_vllm_engines_that_share_the_cores(client):
+    """Both ways of starting a worker give it a vLLM engine core (the embedder stays on torch);
+    the two engine cores may use every core (vLLM's own binding would put both on core 0)."""
+    kinds = client.run(_engines)
+    assert [k["llm:tiny"] for k in kinds.values()] == ["VLLMEngine"] * 2
+    assert [k["embed:all-MiniLM-L6-v2"] for k in kinds.values()] == ["EmbedEngine"] * 2
+    pids = client.run(os.getpid)
+    for worker, pid in pids.items():
+        (core,) = _engine_cores(pid)
+        allowed = pathlib.Path(f"/proc/{core}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+        assert allowed == pathlib.Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0], \
+            (worker, allowed)
+
+
+@pytest.mark.parametrize("name", ["naive_rag", "w2", "debate", "factool"])
+def test_pipelines_on_vllm_equal_the_naive_plan(client, name):
+    from pipelines import registry
+    from pipelines.data import make_inputs
+    from pipelines.ops import NAIVE as PIPELINE_NAIVE, plain
+
+    inputs = make_inputs(client, 3, per_query=3, index_docs=300)
+    fn = registry()[name]
+    optimized = plain(daskllm.compute(fn(inputs, model="tiny", max_tokens=6))[0])
+    naive = plain(daskllm.compute(fn(inputs, model="tiny", max_tokens=6), **PIPELINE_NAIVE)[0])
+    assert optimized == naive and len(optimized) == 3
+
+
+def test_dataframe_map_filter_extract_and_embed(client):
+    """The accessor's operators on vLLM engines; the answers do not depend on how the rows are
+    partitioned (batched and placed differently)."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    def job(partitions: int):
+        rows = dd.from_pandas(pd.DataFrame({"q": QUESTIONS[:8]}), npartitions=partitions)
+        return (rows.llm.map("Q: {q}\nA:", model="tiny", max_tokens=6, out="answer")
+                    .llm.filter("Is this a number? {answer}", model="tiny")
+                    .llm.extract("Facts about {q}", {"alive": bool}, model="tiny", max_tokens=16)
+                    .llm.embed("q", out="vec")).compute()
+
+    got = job(2)
+    cold_start(client)  # no cached results: computed again
+    alone = job(3)
+    assert got[["q", "answer", "alive"]].reset_index(drop=True).equals(alone[["q", "answer", "alive"]]
+                                                                         .reset_index(drop=True))
+    assert str(got["alive"].dtype).lower().startswith("bool") and all(len(v) == 384 for v in got["vec"])
+
+
+def test_streamed_pmap_equals_the_whole_list(client):
+    lines = daskllm.generate(daskllm.prompt("List three modules:\n{x}", x="1."), model="tiny", max_tokens=24,
+                             split="lines")
+    upper = daskllm.pmap(lines, lambda line: daskllm.generate(daskllm.prompt("Say {l}:", l=line), model="tiny",
+                                                                max_tokens=3))
+    items, mapped = daskllm.compute(lines, daskllm.collect(upper))
+    alone = [daskllm.compute(daskllm.generate(daskllm.prompt("Say {l}:", l=line), model="tiny", max_tokens=3),
+                             **NAIVE)[0] for line in items]
+    assert items and list(mapped) == alone
+
+
+def test_cache_aware_placement_reads_vllm_s_kv_events(client):
+    """The placement plugin mirrors each worker's resident blocks from vLLM's own KV events:
+    cache-aware placement gets more prefix hits than round-robin, with the same outputs."""
+    results = {}
+    for policy in ("round_robin", "cache_aware"):
+        cold_start(client)
+        set_policy(client, policy)
+        nodes = [daskllm.generate(daskllm.prompt(s + "{q}\nAnswer:", q=QUESTIONS), model="tiny", max_tokens=3)
+                 for s in SYSTEMS]
+        with daskllm.usage() as usage:
+            values = daskllm.compute(*nodes, passes=["cse"], granularity="query")
+        results[policy] = (usage.prefill_tokens_cached / usage.prefill_tokens, values)
+    assert results["cache_aware"][1] == results["round_robin"][1]
+    assert results["cache_aware"][0] > results["round_robin"][0], {p: r[0] for p, r in results.items()}
+
+
+def test_dashboard_llm_page_shows_the_vllm_engines(cluster, client):
+    daskllm.compute(daskllm.generate(daskllm.prompt("Hello {x}", x=["a", "b"]), model="tiny", max_tokens=3))
+    base = f"http://127.0.0.1:{cluster['dashboard']}/llm"
+    with urllib.request.urlopen(f"{base}/metrics.json", timeout=30) as page:
+        metrics = json.load(page)
+    assert "tiny" in json.dumps(metrics)
+    with urllib.request.urlopen(base, timeout=30) as page:
+        assert page.status == 200
+    stats = client.run(engine_stats)
+    assert sum(s["tiny"]["decode_tokens"] for s in stats.values()) > 0
+
+
+def test_serve_on_vllm_workers_chat_tools_and_responses(cluster):
+    import openai
+
+    log = cluster["logs"] / "serve.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([str(BIN / "dask"), "llm", "serve", "--scheduler", cluster["address"], "--port", "0"],
+                                  stdout=out, stderr=subprocess.STDOUT, process_group=cluster["procs"]["scheduler"].pid,
+                                  env={**os.environ, "DASK_DASKLLM__ENGINE__BLOCK_SIZE": str(VLLM_BLOCK)})
+    try:
+        _until(lambda: "daskllm serve: listening on " in log.read_text(), "the server listening", 120, server)
+        url = log.read_text().split("daskllm serve: listening on ")[1].split()[0]
+        api = openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0)
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        again = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == again.choices[0].message.content
+        tool = {"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}},
+            "required": ["a", "b"]}}}  # booleans: random weights close them
+        called = api.chat.completions.create(model="tiny", messages=messages, tools=[tool], tool_choice="required",
+                                             max_tokens=32)
+        (call,) = called.choices[0].message.tool_calls
+        assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+        response = api.responses.create(model="tiny", input="What is 2 + 2?", max_output_tokens=8, temperature=0)
+        assert response.output_text == chat.choices[0].message.content
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(30)
+
+
+def test_a_worker_killed_mid_job_loses_nothing_and_leaves_no_engine_core(client):
+    """SIGKILL one worker while both compute: its tasks run again elsewhere (or on its
+    restarted self), the results are exact, and its engine core is gone within 10 s."""
+    nodes = [daskllm.generate(daskllm.prompt(s + "{q}\nAnswer:", q=QUESTIONS), model="tiny", max_tokens=24)
+             for s in SYSTEMS]
+    expected = daskllm.compute(*nodes, **NAIVE)
+    RESULTS.clear()
+    client.run(reset_prefix_caches)
+    futures = client.compute([daskllm.generate(daskllm.prompt(s + "{q}\nAnswer:", q=QUESTIONS), model="tiny",
+                                               max_tokens=24) for s in SYSTEMS])
+    _until(lambda: sum(map(bool, client.processing().values())) == 2, "work on both workers", 60)
+    victim = sorted(client.scheduler_info()["workers"])[0]
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    cores = _engine_cores(pid)
+    assert cores
+    os.kill(pid, signal.SIGKILL)
+    assert client.gather(futures, errors="raise") == list(expected)
+    import psutil
+
+    _until(lambda: not any(psutil.pid_exists(c) and psutil.Process(c).status() != psutil.STATUS_ZOMBIE
+                           for c in cores), "end of the killed worker's engine core", 10)
