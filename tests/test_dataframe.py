@@ -152,6 +152,22 @@ def test_filter_keeps_the_rows_the_model_says_yes_to(client):
     assert sorted(kept["n"]) == [n for n, q in enumerate(QUESTIONS * 4) if answers[q].strip().lower().startswith("y")]
 
 
+def test_filter_keeps_rows_where_its_answers_are_co_aligned_with_the_table(client):
+    # One partition (or dedupe="local"): the answers come from the table's own partitions, and
+    # dask-expr's filter pushdown once took the mask's astype for the table and returned the mask.
+    predicate = "Is this about files? {q}"
+    expected = table(repeat=1).llm.filter(predicate).compute()  # a shared-results table: never co-aligned
+    assert list(expected.columns) == ["q", "n"]
+    for kept in (table(repeat=1, npartitions=1).llm.filter(predicate),
+                 table(repeat=1).llm.filter(predicate, dedupe="local")):
+        out = kept.compute()
+        assert isinstance(out, pd.DataFrame) and list(out.columns) == ["q", "n"]
+        assert out["n"].tolist() == expected["n"].tolist()
+    # An operator after the filter reads the table's columns (it was handed the mask: KeyError 'q').
+    out = table(repeat=1, npartitions=1).llm.filter(predicate).llm.map("Q: {q}", max_tokens=2, out="a").compute()
+    assert list(out.columns) == ["q", "n", "a"] and out["n"].tolist() == expected["n"].tolist()
+
+
 def test_extract_parses_json_fields_and_reports_rows_that_do_not(client):
     assert _extract_fields('Sure: {"module": "json", "year": "2001"} done', (("module", "str"), ("year", "int"))) \
         == {"module": "json", "year": 2001}

@@ -20,7 +20,7 @@ from daskllm.dataframe import schema as types
 from daskllm.dataframe.cells import check_nulls
 from daskllm.dataframe.joins import sim_join
 from daskllm.dataframe.ops import CASTS, KEY, STRING, Op, as_arrow, fields_schema, schema_dtype, yes_no
-from daskllm.dataframe.rows import RENDERED, lookup, pair_keys, render, render_column
+from daskllm.dataframe.rows import RENDERED, kept, lookup, pair_keys, render, render_column
 from daskllm.engines import SamplingParams, StructuredOutput
 from daskllm.prompts import Slot, parse_template, tokenizer_for
 from daskllm.retrieval import ShardedIndex
@@ -139,7 +139,11 @@ class LLMAccessor:
             op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
                     chat=self._chat(model, chat))
             results = self._results(rendered, op, slots, on_error, types.FIELDS["bool"], dedupe)
-        return self._ddf[results["value"].fillna(False).astype(bool)]
+        # The mask is one opaque task per partition, never an astype the optimizer can see: dask-expr's
+        # filter pushdown takes a predicate ending in astype (or another pass-through op) for the
+        # filtered frame when both are co-aligned (one partition, dedupe="local") and replaces
+        # ``frame[mask]`` by the mask itself (dask/dask#12172): the filter returned the mask.
+        return self._ddf[results["value"].map_partitions(kept, meta=("value", bool))]
 
     def _cascade(self, keys, predicate: str, slots: tuple, cascade: Cascade, on_error: str, budget, chat):
         """Per row: value and error of a cascaded filter (see daskllm/dataframe/cascade.py)."""

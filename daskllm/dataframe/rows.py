@@ -96,3 +96,8 @@ def lookup(rows: pd.DataFrame | pd.Series, own: pd.DataFrame | None, shared: pd.
     value = column(value, dtype, keys.index) if dtype is not None else pd.Series(value, index=keys.index,
                                                                                   dtype=object)
     return pd.DataFrame({"value": value, "error": pd.Series(error, index=keys.index, dtype=STRING)})
+
+
+def kept(values: pd.Series) -> pd.Series:
+    """A filter's mask: the rows the model said yes to (a skipped or failed row is dropped)."""
+    return values.fillna(False).astype(bool)
