@@ -13,6 +13,7 @@ import pytest
 import daskllm
 from daskllm import models
 from daskllm.engines import EngineSpec, SamplingParams
+from daskllm.engines.kv_cache import block_hashes
 from daskllm.engines.llamacpp import unavailable_reason
 
 pytestmark = pytest.mark.skipif(bool(unavailable_reason()), reason=str(unavailable_reason()))
@@ -53,6 +54,42 @@ def test_a_shared_system_prompt_is_computed_once_in_one_step(engine):
     assert [c.num_cached_tokens for c in out] == [0] + [cached] * (len(prompts) - 1)
     assert after.prefill_tokens_computed - before.prefill_tokens_computed == sum(map(len, ids)) - cached * 7
     assert after.max_batch_size >= len(prompts) - 1
+
+
+def test_finished_sequences_leave_the_context_and_their_prefixes_still_serve(engine):
+    """Issue 55: llama.cpp attends over every cell up to the highest in use, masked or not, so
+    prefixes kept in the context made a lone decode step cost 4x as much with 64 of them kept.
+    Finished sequences' states go to host memory instead: the context holds only the running
+    sequences' tokens, whatever the prefix cache holds, and a prompt still starts from them."""
+    engine.reset_prefix_cache()
+    prompts = _chats(engine)
+    finished = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engine._context_cells() == {}  # nothing running: no cells, however much is kept
+    assert engine._kept_tokens > 0
+    state = engine.cache_state()
+    assert state.blocks_in_use == 0
+    for c in finished:  # every prompt's full blocks are still there for the next request
+        assert set(block_hashes(c.prompt_token_ids, engine.block_size)) <= state.resident_hashes
+
+    # A lone request beside the kept prefixes: between steps, the context holds its cells only.
+    seen = []
+    lone = [100 + i for i in range(40)]  # shares no block with the chats
+    engine.submit(lone, SamplingParams(max_tokens=8, ignore_eos=True),
+                  on_text=lambda _: seen.append(engine._context_cells())).result(timeout=TIMEOUT)
+    assert seen and all(len(cells) == 1 and max(cells.values()) <= len(lone) + 8 for cells in seen)
+    assert engine._context_cells() == {}
+
+    # A kept prefix is put back for a prompt that starts with it: its blocks are not recomputed,
+    # and the tokens are those the same prompt got alone with nothing cached.
+    engine.reset_prefix_cache()
+    alone = engine.generate([prompts[0]], SamplingParams(max_tokens=8))[0]
+    assert alone.num_cached_tokens == 0 and engine._context_cells() == {}
+    again = engine.generate([prompts[0]], SamplingParams(max_tokens=8))[0]
+    assert again.num_cached_tokens == (len(alone.prompt_token_ids) - 1) // engine.block_size * engine.block_size
+    assert again.token_ids == alone.token_ids
+    assert 0 < engine._kept_tokens <= engine.n_ctx
+    engine.reset_prefix_cache()
+    assert engine._kept_tokens == 0 and not engine.cache_state().resident_hashes
 
 
 def test_auto_picks_llamacpp_for_gguf_models_on_cpu():
