@@ -15,7 +15,8 @@ A block may be preceded, on the line right before its fence, by one marker:
     remote cluster. The reason is the skip's reason.
 ``<!-- docs-test: needs: MODULE, ... -->``
     run only where those modules import (e.g. a third-party tool the project does not
-    depend on); skipped, naming the missing one, where they do not.
+    depend on); skipped, naming the missing one, where they do not. ``needs: vllm`` also
+    marks the test ``vllm``, so ``make test-vllm`` runs it in .venv-vllm.
 ``<!-- docs-test: continues -->``
     runs after the previous ```python block of the same file, as one program (that block's
     own program first, so chains work): for a block using names an earlier one defined.
@@ -170,6 +171,8 @@ def _param(block: Block):
     # A chain's blocks share one run (under pytest-xdist, conftest.xdist_unit keeps a chain's
     # blocks in one process).
     marks = [pytest.mark.slow] if any(_SLOW.search(b.code) for b in block.chain()) else []
+    if any(b.marker == "needs" and "vllm" in re.split(r"[,\s]+", b.reason or "") for b in block.chain()):
+        marks.append(pytest.mark.vllm)  # make test-vllm runs it, in .venv-vllm
     return pytest.param(block, id=block.id, marks=marks)
 
 
