@@ -145,13 +145,17 @@ def _engines(dask_worker) -> dict:
 
 def test_workers_hold_vllm_engines_that_share_the_cores(client):
     """Both ways of starting a worker give it a vLLM engine core (the embedder stays on torch);
-    the two engine cores may use every core (vLLM's own binding would put both on core 0)."""
+    each engine core computes with the worker's engine threads (1 here: two engines, two
+    cores), not bound, so the two may use every core (vLLM's own binding would put both on
+    core 0)."""
     kinds = client.run(_engines)
     assert [k["llm:tiny"] for k in kinds.values()] == ["VLLMEngine"] * 2
     assert [k["embed:all-MiniLM-L6-v2"] for k in kinds.values()] == ["EmbedEngine"] * 2
     pids = client.run(os.getpid)
     for worker, pid in pids.items():
         (core,) = _engine_cores(pid)
+        environ = dict(v.split("=", 1) for v in pathlib.Path(f"/proc/{core}/environ").read_text().split("\0") if "=" in v)
+        assert environ["OMP_NUM_THREADS"] == "1", worker
         allowed = pathlib.Path(f"/proc/{core}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
         assert allowed == pathlib.Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0], \
             (worker, allowed)

@@ -132,9 +132,8 @@ class EngineSpec:
             # a remote engine takes apply; its own options must all be its own.
             options = {**{k: v for k, v in defaults.items() if k in RemoteEngine.OPTIONS}, **self.options}
             return RemoteEngine(self.model, name=self.engine_name, **options)
-        if backend == "vllm":
-            options.pop("num_threads", None)  # CPU threads: not a vLLM setting
         if self.kind != "llm" and backend == "vllm":
+            options.pop("num_threads", None)  # vLLM's pooling runner takes no thread count
             options["backend"] = "vllm"  # embedding and reranking on vLLM's pooling runner
         if self.kind == "embed":
             from daskllm.engines.embedder import EmbedEngine
