@@ -3,8 +3,10 @@
     python bench/harness.py --pipelines w2,trading --queries 32 --model small --json harness.json
     python bench/harness.py --quick                 # every pipeline, tiny model, 4 queries, one repetition, small index
     daskllm bench --pipelines factool --queries 16  # the same, from a source checkout
+    .venv-vllm/bin/python bench/harness.py --backend vllm --model tiny --systems daskllm,vllm-opwise,vllm-batch
 
-Systems, all on the same cluster and the same resident engines, so only orchestration differs:
+Systems, all on the same cluster and the same resident engines (``--backend``: torch, or vLLM
+on every worker), so only orchestration differs:
 
 - ``sequential``: one query at a time, each call waiting for the last (a loop over an LLM client);
 - ``opwise``: one operator at a time over the whole batch, a barrier after each (black-box UDFs),
@@ -21,17 +23,34 @@ Systems, all on the same cluster and the same resident engines, so only orchestr
   cache), ``-placement`` (plain Dask placement instead of cache-aware) and ``-release`` (a task
   waiting on its engine holds its worker thread, as a plain Dask task does).
 
-After one unmeasured warm-up run, every repetition runs every system once, in a rotating
+And vLLM alone, no Dask (:mod:`pipelines.vllm_alone`): what a competent user writes instead,
+on one vLLM engine per model in this process, started once per benchmark and kept (only when
+asked for in ``--systems``; they need vLLM, in ``.venv-vllm`` on a CPU machine):
+
+- ``vllm-opwise``: the opwise program, an operator's calls sent together in one
+  ``LLM.generate`` (Helium's OpWise);
+- ``vllm-batch``: every query's pipeline as coroutines on one event loop, every call sent to
+  ``AsyncLLM`` the moment its inputs are ready (LangGraph's batch).
+
+Their engines have automatic prefix caching on, the KV cache of all of the cluster's
+workers together, vLLM's own scheduling defaults and every core of the machine
+(``VLLM_CPU_OMP_THREADS_BIND``); search and rerank run in this process on the same
+embedder, reranker and passages. An idle vLLM engine computes nothing, so the cluster's and
+these engines stay resident side by side; each run empties its own engines' prefix caches.
+
+After one unmeasured warm-up run of each system, every repetition runs every system once, in a rotating
 order, each from a cold start (empty
 prefix caches and result caches on the client and every worker). Reported per pipeline and
 system: the median wall time; speedup = the median over repetitions of the system's time
 divided by ``daskllm``'s in the same repetition; prefill tokens computed and their ratio to
 the distinct-prefix lower bound (every prompt decoded, in blocks, de-duplicated: no plan can
 prefill less); the prefix-cache hit rate and mean decode batch from the engines' counters;
-the number of Dask tasks; and **efficiency** = ideal time / actual time, where the ideal time
-is the distinct prefill tokens and the decode tokens at the engines' best measured per-token
-costs (calibrated at start, per model), divided among the workers. Every system's outputs
-must equal the first run's (greedy decoding): the script exits with status 1 if not.
+the number of Dask tasks (none for vLLM alone); and **efficiency** = ideal time / actual
+time, where the ideal time is the distinct prefill tokens and the decode tokens at the
+cluster's engines' best measured per-token costs (calibrated at start, per model), divided
+among the workers. Every system's outputs
+must equal the first run's (greedy decoding): the script exits with status 1 if not. Last,
+per system: the geometric mean over pipelines of its time / ``daskllm``'s, and the least.
 """
 
 from __future__ import annotations
@@ -39,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -53,9 +73,11 @@ from machine import log, machine_info  # noqa: E402
 from daskllm.worker.costs import calibrate  # noqa: E402
 
 BASELINES = ("sequential", "opwise", "dask", "opwise-held", "dask-held")
+VLLM_ALONE = ("vllm-opwise", "vllm-batch")  # pipelines.vllm_alone.SYSTEMS, without importing vLLM
 ABLATIONS = {"-cse": "cse", "-prefix": "prefix", "-parts": "parts", "-stage": "stage", "-pipeline": "pipeline", "-cache": "cache",
              "-placement": None, "-release": None}
-SYSTEMS = (*BASELINES, "daskllm", *ABLATIONS)
+DEFAULT_SYSTEMS = (*BASELINES, "daskllm", *ABLATIONS)
+SYSTEMS = (*BASELINES, *VLLM_ALONE, "daskllm", *ABLATIONS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,11 +85,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipelines", default="all", help=f"comma-separated, or all: {', '.join(registry())}")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated from {', '.join(SYSTEMS)} (default: all but {', '.join(VLLM_ALONE)})")
     parser.add_argument("--queries", type=int, default=16)
     parser.add_argument("--model", default=None, help="default: daskllm.model (smollm2)")
     parser.add_argument("--model2", default="tiny", help="the second model of two-model pipelines (w3, w5)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--backend", choices=("torch", "vllm", "auto"), default=None,
+                        help="the cluster's LLM engines (default: daskllm.engine.backend)")
     parser.add_argument("--workers-per-gpu", type=int, default=None,
                         help="workers sharing each GPU (LocalLLMCluster's workers_per_gpu; default: as --workers needs)")
     parser.add_argument("--threads", type=int, default=8, help="Dask threads per worker")
@@ -98,6 +123,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown pipelines or systems: {unknown}")
     if "daskllm" not in systems:
         systems.append("daskllm")  # the reference for every ratio
+    if any(s in VLLM_ALONE for s in systems):
+        from pipelines.vllm_alone import unavailable_reason
+
+        if (reason := unavailable_reason()) is not None:
+            parser.error(f"{', '.join(VLLM_ALONE)} cannot run here: {reason}")
     args.pipeline_names, args.system_names = names, systems
     return args
 
@@ -179,6 +209,32 @@ def measure(client, system: str, fn, inputs, config: dict, attribute: bool = Fal
             **({"attribution": found["attribution"]} if attribute else {})}
 
 
+def measure_alone(alone, system: str, fn, inputs, config: dict, attribute: bool = False) -> dict:
+    """``measure`` for a vLLM-alone system (``alone``: a :class:`pipelines.vllm_alone.VLLMAlone`):
+    its engines' prefix caches emptied first, their counters and the calls' prompts metered
+    the same way; no Dask, so no tasks, and all of the wall time inside the run."""
+    alone.reset_prefix_caches(system)
+    before = alone.totals(system)
+    start = time.perf_counter()
+    outputs, usage = alone.run(system, fn, inputs, config)
+    seconds = time.perf_counter() - start
+    after = alone.totals(system)
+    delta = {k: after[k] - before[k] for k in after}
+    prompt = delta["prefill_tokens_computed"] + delta["prefill_tokens_cached"]
+    result = {"seconds": seconds, "outputs": outputs, "tasks": 0,
+              "prefill_tokens_computed": delta["prefill_tokens_computed"],
+              "hit_rate": delta["prefill_tokens_cached"] / prompt if prompt else 0.0,
+              "mean_batch": delta["batched_sequences"] / delta["steps"] if delta["steps"] else 0.0,
+              "models": usage.models(), "distinct_prompt_tokens": usage.distinct_prompt_tokens}
+    if attribute:  # no threads to attribute: the engines' busy time only
+        engines = len(alone.engines[system])
+        result["attribution"] = {
+            "wall": seconds, "tasks_window": seconds, "outside_tasks": 0.0, "engine_busy": delta["busy_seconds"],
+            "engine_idle": max(0.0, engines * seconds - delta["busy_seconds"]),
+            **{k: 0.0 for k, _ in ATTRIBUTION[1:]}, "thread_count": 0}
+    return result
+
+
 # --- the engines' best per-token costs ------------------------------------------------------
 
 
@@ -206,18 +262,24 @@ def ideal_seconds(run: dict, cost: dict[str, dict], workers: int) -> float | Non
 
 def bench_pipeline(client, name: str, fn, inputs, config: dict, systems: list[str], repeats: int,
                    cost: dict, workers: int, attribute: bool = False, warmup_queries: int | None = None,
-                   progress=None) -> dict:
+                   progress=None, alone=None) -> dict:
     """Every system's runs of one pipeline, summarized; ``progress(summary)`` after each run, so
-    a benchmark cut short still leaves what it measured."""
+    a benchmark cut short still leaves what it measured. ``alone`` runs the vLLM-alone systems."""
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     warmup = len(inputs) if warmup_queries is None else min(warmup_queries, len(inputs))
     if warmup:  # not measured: first-use costs of every code path
-        run_system("daskllm", fn, inputs if warmup == len(inputs) else inputs.subset(0, warmup), config)
+        subset = inputs if warmup == len(inputs) else inputs.subset(0, warmup)
+        run_system("daskllm", fn, subset, config)
+        for system in (s for s in systems if s in VLLM_ALONE):  # theirs too (tokenizers, retrieval, ...)
+            alone.run(system, fn, subset, config)
     reference = None
     for r in range(repeats):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for system in order:
-            result = measure(client, system, fn, inputs, config, attribute)
+            if system in VLLM_ALONE:
+                result = measure_alone(alone, system, fn, inputs, config, attribute)
+            else:
+                result = measure(client, system, fn, inputs, config, attribute)
             if reference is None:
                 reference = result["outputs"]
             result["exact"] = result["outputs"] == reference
@@ -260,8 +322,11 @@ def summarize(name: str, runs: dict[str, list[dict]], cost: dict, workers: int, 
 
 
 def markdown(results: list[dict], args) -> str:
-    lines = [f"model `{args.model}`, {args.workers} workers x {args.threads} threads, {args.queries} queries, "
-             f"{args.max_tokens} tokens per call, {args.repeats} repetitions (median)\n",
+    from daskllm import config
+
+    backend = args.backend or config.get("engine.backend")
+    lines = [f"model `{args.model}`, {args.workers} workers x {args.threads} threads, {backend} engines, "
+             f"{args.queries} queries, {args.max_tokens} tokens per call, {args.repeats} repetitions (median)\n",
              "| pipeline | system | wall s | mean batch | x daskllm's time | prefill computed / bound | hit rate | "
              "tasks | efficiency | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
@@ -274,13 +339,46 @@ def markdown(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def overall(results: list[dict]) -> dict[str, dict]:
+    """Per system but ``daskllm``, over the pipelines that ran it: the geometric mean of its
+    time / daskllm's (how much faster daskllm is), the least and the most, and the geometric
+    mean of its efficiency."""
+    out = {}
+    for system in dict.fromkeys(s for r in results for s in r["systems"]):
+        if system == "daskllm":
+            continue
+        rows = [r["systems"][system] for r in results if system in r["systems"]]
+        ratios = [s["vs_daskllm"] for s in rows]
+        effs = [s["efficiency"] for s in rows if s["efficiency"]]
+        out[system] = {"pipelines": len(rows), "geomean_vs_daskllm": math.exp(statistics.mean(map(math.log, ratios))),
+                       "min_vs_daskllm": min(ratios), "max_vs_daskllm": max(ratios),
+                       "geomean_efficiency": math.exp(statistics.mean(map(math.log, effs))) if effs else None}
+    effs = [r["systems"]["daskllm"]["efficiency"] for r in results if r["systems"].get("daskllm", {}).get("efficiency")]
+    if effs:
+        out["daskllm"] = {"pipelines": len(effs), "geomean_efficiency": math.exp(statistics.mean(map(math.log, effs)))}
+    return out
+
+
+def overall_table(results: list[dict]) -> str:
+    lines = ["| system | pipelines | x daskllm's time, geometric mean | least | most | efficiency, geometric mean |",
+             "|---|---|---|---|---|---|"]
+    for system, o in overall(results).items():
+        eff = f"{o['geomean_efficiency']:.2f}" if o.get("geomean_efficiency") is not None else "-"
+        if system == "daskllm":
+            lines.append(f"| daskllm | {o['pipelines']} | 1.00 | - | - | {eff} |")
+        else:
+            lines.append(f"| {system} | {o['pipelines']} | {o['geomean_vs_daskllm']:.2f} | {o['min_vs_daskllm']:.2f} | "
+                         f"{o['max_vs_daskllm']:.2f} | {eff} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    baselines = [b for b in BASELINES if all(b in r["systems"] for r in results)]
+    baselines = [b for b in (*BASELINES, *VLLM_ALONE) if all(b in r["systems"] for r in results)]
     names = [r["pipeline"] for r in results]
     fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.7), 3.5))
     width = 0.8 / max(1, len(baselines))
@@ -344,6 +442,27 @@ def plot_attribution(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+@contextlib.contextmanager
+def vllm_alone(systems: list[str], models: list[str], args):
+    """The vLLM-alone systems' engines (one per system and model, started here once) and
+    retrieval over the passages the cluster's index holds; closed on exit."""
+    from daskllm.engines import sizing
+    from pipelines.data import passages
+    from pipelines.vllm_alone import LocalRetrieval, VLLMAlone
+
+    retrieval = LocalRetrieval(passages(args.index_docs))
+    # The KV cache of all of the cluster's workers together.
+    kv_cache_tokens = int(sizing.limit(None, "kv-cache-tokens", True)) * args.workers
+    try:
+        alone = VLLMAlone(systems, models, retrieval, kv_cache_tokens=kv_cache_tokens, log=log)
+        try:
+            yield alone
+        finally:
+            alone.close()
+    finally:
+        retrieval.close()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import dask
@@ -358,7 +477,14 @@ def main(argv=None) -> int:
     models = [args.model] + ([args.model2] if two and args.model2 != args.model else [])
     # Workers inherit this config: their usage records carry each prompt's block hashes.
     dask.config.set({"daskllm.metering.prompt-blocks": True})
-    log(f"cluster: {args.workers} workers x {args.threads} threads, models {models}")
+    alone_systems = [s for s in args.system_names if s in VLLM_ALONE]
+    if alone_systems:  # (a cluster of vLLM engines sets the same itself)
+        from daskllm.cluster import settings_for_vllm
+
+        # KV blocks of 32 tokens on CPU, in the planner's hashes and every vLLM engine's alike.
+        settings_for_vllm(on_cpu=True)
+    log(f"cluster: {args.workers} workers x {args.threads} threads, models {models}, "
+        f"backend {args.backend or daskllm.config.get('engine.backend')}")
     results = []
     cost: dict = {}
 
@@ -366,25 +492,30 @@ def main(argv=None) -> int:
         """The JSON report as it stands (after every run: a call cut short still leaves its rows)."""
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": {k: v for k, v in vars(args).items()}, "costs": cost,
-                           "results": results + ([partial] if partial else []), "machine": machine_info(),
+                so_far = results + ([partial] if partial else [])
+                json.dump({"args": {k: v for k, v in vars(args).items()}, "costs": cost, "results": so_far,
+                           "overall": overall(so_far) if so_far else {}, "machine": machine_info(),
                            "command": " ".join(sys.argv)}, f, indent=2, default=str)
 
-    with daskllm.LocalLLMCluster(models=models, n_workers=args.workers, threads_per_worker=args.threads,
-                                 workers_per_gpu=args.workers_per_gpu,
-                                 dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(daskllm.LocalLLMCluster(
+            models=models, n_workers=args.workers, threads_per_worker=args.threads, backend=args.backend,
+            workers_per_gpu=args.workers_per_gpu, dashboard_address="127.0.0.1:0"))
+        client = stack.enter_context(Client(cluster))
         inputs = make_inputs(client, args.queries, source=args.source, index_docs=args.index_docs)
         cost.update(costs(client, models))
         log(f"engine costs (best of workers): {json.dumps(cost)}")
+        alone = stack.enter_context(vllm_alone(alone_systems, models, args)) if alone_systems else None
         for name in args.pipeline_names:
             config = {"model": args.model, "max_tokens": args.max_tokens,
                       **({"model2": args.model2} if name in TWO_MODELS else {})}
             results.append(bench_pipeline(client, name, registry_[name], inputs, config, args.system_names,
                                           args.repeats, cost, args.workers, attribute=bool(args.attribution),
-                                          warmup_queries=args.warmup_queries, progress=write))
+                                          warmup_queries=args.warmup_queries, progress=write, alone=alone))
             write()
     report = markdown(results, args)
     print(report)
+    print(overall_table(results))
     if args.plot:
         plot(results, args.plot)
     if args.attribution:

@@ -350,3 +350,75 @@ def test_the_gpu_compile_check_compiles_every_kernel_for_hopper(tmp_path):
     assert kinds[("_paged_attention_kernel", 16, False)] == kinds[("_paged_attention_kernel", 16, True)] == "mma.sync"
     assert all(k["fits"] for k in report["kernels"])
     assert "| _matmul_kernel |" in done.stdout
+
+
+class _FakeEngine:
+    """An engine whose answer is a function of the prompt alone (as greedy decoding is): what
+    both vLLM-alone orchestrations must then agree on, whatever they batch together."""
+
+    def __init__(self):
+        self.in_flight = self.most_in_flight = 0
+
+    def answer(self, call):
+        from daskllm.prompts import tokenizer_for
+        from pipelines.vllm_alone import Output
+
+        seed = sum(i * (k + 1) for k, i in enumerate(call.prompt_ids))
+        if call.allowed_token_ids:  # choose: one of the options' first tokens
+            token = call.allowed_token_ids[seed % len(call.allowed_token_ids)]
+            return Output(tokenizer_for(call.model).tokenizer.decode([token]), 1)
+        return Output(f"w{seed % 997}\nx{seed % 89}", call.max_tokens)
+
+    async def generate(self, call):
+        import asyncio
+
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.001)
+        self.in_flight -= 1
+        return self.answer(call)
+
+
+class _FakeRetrieval:
+    def search(self, queries, k):
+        from daskllm.index import Hit
+
+        return [[Hit(i, 0.0, f"passage {i}") for i in sorted({sum(map(ord, q)) % (7 + j) for j in range(k)})][:k]
+                for q in queries]
+
+    def rerank(self, query, docs, k):
+        from daskllm.prompts import render_value
+
+        return sorted(map(render_value, docs))[:k]
+
+
+def test_vllm_alone_orchestrations_agree_and_batch_as_their_baselines(tiny_model_dir):
+    """vllm-opwise and vllm-batch (pipelines/vllm_alone.py) on a fake engine, every pipeline:
+    the same outputs; op-wise sends an operator's calls in one batch, batch sends every ready
+    call at once."""
+    from pipelines import TWO_MODELS, registry
+    from pipelines.data import Inputs
+    from pipelines.ops import plain
+    from pipelines.vllm_alone import EventLoopThread, Lockstep, RunUsage, VLLMBatch, VLLMOpwise
+
+    inputs = Inputs([f"How does module {m} start?" for m in ("os", "re", "json")], None,
+                    [[f"doc {q}.{d}" for d in range(4)] for q in range(3)])
+    engine, loop = _FakeEngine(), EventLoopThread()
+    try:
+        for name, fn in registry().items():
+            config = {"model": "tiny", "max_tokens": 4, **({"model2": "tiny"} if name in TWO_MODELS else {})}
+            lockstep = Lockstep(lambda calls: [engine.answer(c) for c in calls])
+            ops = VLLMOpwise("tiny", ignore_eos=True, lockstep=lockstep, retrieval=_FakeRetrieval())
+            opwise = plain(fn(inputs, ops, **config))
+            usage = RunUsage()
+            engine.most_in_flight = 0
+            batch = loop.run(VLLMBatch("tiny", engine.generate, _FakeRetrieval(), usage=usage, ignore_eos=True)
+                             .run(fn, inputs, config), timeout=60)
+            assert opwise == batch, name
+            assert sum(lockstep.batches) == usage.calls > 0 and usage.distinct_prompt_tokens > 0, name
+            if name == "w2":  # three operators over three queries, each waiting on the last
+                assert lockstep.batches == [3, 3, 3] and engine.most_in_flight == 3
+            if name == "w4":  # op-wise: one perspective's judgments at a time; batch: all of them at once
+                assert lockstep.batches == [3, 3, 3, 3] and engine.most_in_flight == 9
+    finally:
+        loop.close()
