@@ -1,7 +1,8 @@
 """Benchmark of the CPU engines side by side on one model, measured directly (no Dask).
 
-    python bench/engine.py --json out.json          # smollm2 on torch, llamacpp and transformers
+    python bench/engine.py --json out.json          # smollm2 on torch, llamacpp, vllm and transformers
     python bench/engine.py --engines torch,llamacpp --batch-sizes 1 8 32 64 --repeats 5
+    python bench/engine.py --served                 # also each engine as a server uses it (cache kept)
     python bench/engine.py --quick                  # smoke run: tiny, torch + transformers, B=1 and 8
 
 The engines, all on the same model (``--model``, default ``smollm2``) with ``--threads``
@@ -13,6 +14,10 @@ threads each (default: all cores):
   It runs the model's GGUF file (``smollm2`` ships one, quantized), so only models with a GGUF
   file have it; it is skipped, with the reason printed, where llama-cpp-python is not installed
   (``make cpu``) or the model has none (``tiny``, ``small``).
+* ``vllm``: daskllm's vLLM engine, ``EngineSpec(model, backend="vllm").load(num_threads=T)``
+  (on CPU vLLM's CPU build, with 32-token KV blocks, which it requires, and daskllm's CPU
+  defaults: float32, eager, no chunked prefill). Skipped, with the reason, where vllm does not
+  import (it lives in ``.venv-vllm``: ``make vllm``).
 * ``transformers``: plain ``AutoModelForCausalLM.from_pretrained(resolve(model), dtype=float32)``
   and ``generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`` on a left-padded batch
   (pad token = eos), ``torch.set_num_threads(T)``: the baseline users pick today. It has no
@@ -47,6 +52,13 @@ measurement, so every repetition starts from the same state. The markdown table 
 the end; ``--json`` keeps every raw number, the engine counters of each measurement and the
 machine information.
 
+``--served`` adds a column per daskllm engine measured as a server uses it: after other work,
+its prefix cache never reset. Before each repetition's served measurements the engine runs
+``--served-history`` distinct prompts (``--short-prompt-tokens`` tokens, ``--decode-tokens``
+new tokens each, untimed), and the measurements follow one another with whatever they leave
+in the cache. Prompts are still fresh, so the cache can only help where the fresh column's
+does (the warm TTFT); what the column shows is what a full cache costs the engine.
+
 Earlier versions also timed 32 requests submitted together against one after another on the
 torch engine; the decode rows at B=1 and B=32 now tell the same (and across engines), so that
 measurement is gone.
@@ -73,7 +85,8 @@ from daskllm import models
 from daskllm.engines import EngineSpec, compute
 from daskllm.engines.protocol import SamplingParams
 
-ENGINES = ("torch", "llamacpp", "transformers")
+ENGINES = ("torch", "llamacpp", "vllm", "transformers")
+SERVED = " served"  # the column of an engine measured with its prefix cache kept (--served)
 FIRST_TOKEN = 100  # prompt ids start here: clear of every tokenizer's special and byte tokens
 QUESTIONS = [
     "What is the capital of France?",
@@ -113,6 +126,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens in the batch-invariance check")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every engine (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt RNG")
+    p.add_argument("--served", action="store_true",
+                   help="also measure each daskllm engine as a server uses it: after other work, cache kept")
+    p.add_argument("--served-history", type=int, default=64,
+                   help="finished requests run (untimed) before each repetition's served measurements")
     p.add_argument("--json", metavar="PATH", help="write all raw numbers and machine info here")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny, torch + transformers, batch sizes 1 and 8, short requests, one repetition")
@@ -135,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if unknown or not args.engines:
             p.error(f"--engines: unknown {unknown}; choose from {','.join(ENGINES)}")
     for name in ("repeats", "prefill_batch", "prompt_tokens", "short_prompt_tokens", "decode_tokens",
-                 "prefix_tokens", "suffix_tokens", "agreement_tokens", "threads"):
+                 "prefix_tokens", "suffix_tokens", "agreement_tokens", "threads", "served_history"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if any(b < 1 for b in args.batch_sizes):
@@ -152,6 +169,12 @@ def machine_info() -> dict:
         import llama_cpp
 
         extra["llama_cpp_python"] = llama_cpp.__version__
+    from daskllm.engines.vllm import unavailable_reason as no_vllm
+
+    if no_vllm() is None:
+        import vllm
+
+        extra["vllm"] = vllm.__version__
     return shared_machine_info(**extra)
 
 
@@ -188,14 +211,20 @@ def checkpoint_parameters(model_dir) -> int:
 
 
 class DaskllmRunner:
-    """A daskllm engine (the Engine protocol): torch or llama.cpp."""
+    """A daskllm engine (the Engine protocol): torch, llama.cpp or vLLM."""
 
     has_prefix_cache = True
 
     def __init__(self, backend: str, model: str, threads: int):
         self.name = backend
+        options = {"num_threads": threads}
+        if backend == "vllm":
+            from daskllm.engines.vllm import CPU_BLOCK_MULTIPLE, on_cpu
+
+            if on_cpu():  # vLLM's CPU attention takes blocks of 32 tokens (docs/vllm.md)
+                options["block_size"] = CPU_BLOCK_MULTIPLE
         start = time.perf_counter()
-        self.engine = EngineSpec(model, backend=backend).load(num_threads=threads)
+        self.engine = EngineSpec(model, backend=backend).load(**options)
         self.load_s = time.perf_counter() - start
         self.vocab_size = self.engine.vocab_size
         self.model_dir = models.resolve(model) if backend == "torch" else None
@@ -232,6 +261,12 @@ class DaskllmRunner:
                                           or getattr(scheduler, "max_num_batched_tokens", None))}
         if getattr(e, "path", None) is not None and e.path.suffix == ".gguf":  # llama.cpp: the file it runs
             out.update(gguf=e.path.name, gguf_bytes=e.path.stat().st_size)
+        vllm_config = getattr(getattr(e, "_engine", None), "vllm_config", None)
+        if vllm_config is not None:  # the vLLM engine's
+            import vllm
+
+            out.update(vllm=vllm.__version__, dtype=str(vllm_config.model_config.dtype).replace("torch.", ""),
+                       enforce_eager=vllm_config.model_config.enforce_eager)
         if hasattr(e, "model") and hasattr(e.model, "dtype"):  # the torch engine's own model
             out.update(parameters=checkpoint_parameters(self.model_dir), dtype=str(e.model.dtype).replace("torch.", ""),
                        device=str(e.model.device))
@@ -311,6 +346,13 @@ def load_engines(args) -> tuple[dict, dict]:
                 skipped[name] = reason
                 log(f"skipping llamacpp: {reason}")
                 continue
+        if name == "vllm":
+            from daskllm.engines.vllm import unavailable_reason
+
+            if reason := unavailable_reason():
+                skipped[name] = reason
+                log(f"skipping vllm: {reason}")
+                continue
         log(f"loading {args.model} on {name} ...")
         runners[name] = TransformersRunner(args.model, args.threads) if name == "transformers" else \
             DaskllmRunner(name, args.model, args.threads)
@@ -384,35 +426,53 @@ def warm_up(runner, prompts: Prompts, args) -> None:
     runner.run(prompts.make(1, args.prefix_tokens + args.suffix_tokens), 1)
 
 
+def columns(runners: dict, served: bool) -> list[tuple[str, str, bool]]:
+    """The table's columns: (label, engine, served), an engine's served one beside its fresh one."""
+    out = []
+    for name, runner in runners.items():
+        out.append((name, name, False))
+        if served and runner.has_prefix_cache:
+            out.append((name + SERVED, name, True))
+    return out
+
+
 def bench(runners: dict, args) -> dict:
     vocab = min(r.vocab_size for r in runners.values())
     prompts = Prompts(args.seed, vocab)
-    results = {name: {"prefill": [], "decode": [], "ttft": []} for name in runners}
+    cols = columns(runners, args.served)
+    results = {label: {"prefill": [], "decode": [], "ttft": []} for label, _, _ in cols}
     for name, runner in runners.items():
         log(f"warming up {name} ...")
         warm_up(runner, prompts, args)
-    names = list(runners)
 
-    def each(rep, key, measure, *a):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:  # rotated: no engine always first
+    def each(rep, key, measure, *a, served=False):
+        group = [(label, name) for label, name, s in cols if s == served]
+        for label, name in group[rep % len(group):] + group[:rep % len(group)]:  # rotated: none always first
             runner = runners[name]
-            if runner.has_prefix_cache:
+            if runner.has_prefix_cache and not served:
                 runner.reset()
-            results[name][key].append({"rep": rep, **measure(runner, prompts, *a)})
+            results[label][key].append({"rep": rep, **measure(runner, prompts, *a)})
 
     for rep in range(args.repeats):
         t0 = time.perf_counter()
-        each(rep, "prefill", measure_prefill, args.prefill_batch, args.prompt_tokens)
-        for b in args.batch_sizes:
-            each(rep, "decode", measure_decode, b, args.short_prompt_tokens, args.decode_tokens)
-        each(rep, "ttft", measure_ttft, args.prefix_tokens, args.suffix_tokens)
+        for served in (False, True) if args.served else (False,):
+            if served:  # a server's history: finished requests left in the cache, untimed
+                for _, name, s in cols:
+                    if s:
+                        runners[name].run(prompts.make(args.served_history, args.short_prompt_tokens),
+                                          args.decode_tokens)
+            each(rep, "prefill", measure_prefill, args.prefill_batch, args.prompt_tokens, served=served)
+            for b in args.batch_sizes:
+                each(rep, "decode", measure_decode, b, args.short_prompt_tokens, args.decode_tokens, served=served)
+            each(rep, "ttft", measure_ttft, args.prefix_tokens, args.suffix_tokens, served=served)
         log(f"  repetition {rep + 1}/{args.repeats} took {time.perf_counter() - t0:.1f}s")
     for name, runner in runners.items():
         if runner.has_prefix_cache:
             log(f"batch invariance of {name} ...")
             results[name]["agreement"] = measure_agreement(runner, args.agreement_tokens)
             results[name]["engine_stats"] = runner.engine.stats().as_dict()
-        results[name]["info"] = runner.info()
+    for label, name, _ in cols:  # a served column's engine is its fresh column's
+        results[label]["info"] = runners[name].info() if label == name else results[name]["info"]
     return {"vocab_size_used": vocab, "engines": results}
 
 
@@ -462,9 +522,14 @@ def ratios(results: dict, args) -> list[dict]:
 
     add(f"llamacpp decode@{big} / decode@1", decode_ratio(results, ("llamacpp", big), ("llamacpp", 1)), 3.0)
     add(f"torch decode@{big} / decode@1", decode_ratio(results, ("torch", big), ("torch", 1)))
-    for engine in ("llamacpp", "torch"):
+    add(f"vllm decode@{big} / decode@1", decode_ratio(results, ("vllm", big), ("vllm", 1)))
+    for engine in ("llamacpp", "vllm", "torch"):
         if engine in results:
             add(f"{engine} TTFT cold / warm prefix", results[engine]["summary"]["prefix_speedup"], 5.0)
+    for engine in ("llamacpp", "vllm"):
+        for b in (1, big):
+            add(f"{engine} / torch decode@{b}", decode_ratio(results, (engine, b), ("torch", b)))
+        add(f"{engine} served / fresh decode@1", decode_ratio(results, (engine + SERVED, 1), (engine, 1)))
     for engine in ("torch", "llamacpp"):
         for b in (1, big):
             add(f"{engine} / transformers decode@{b}", decode_ratio(results, (engine, b), ("transformers", b)))
@@ -505,13 +570,21 @@ def markdown(report: dict, args) -> str:
             wanted = "" if r["target"] is None else f">= {r['target']:.0f}x ({'met' if r['met'] else 'NOT met'})"
             lines.append(f"| {r['ratio']} | {r['value']:.2f}x | {wanted} |")
     lines.append("")
+    if any(n.endswith(SERVED) for n in names):
+        lines.append(f"- served: the same engine after {args.served_history} finished requests "
+                     f"({args.short_prompt_tokens} + {args.decode_tokens} tokens each) and the measurements "
+                     "before, its prefix cache never reset; the other columns reset it before each measurement.")
     for n in names:
+        if n.endswith(SERVED):
+            continue
         i = results[n]["info"]
         bits = [i["engine"]]
         if "parameters" in i:
             bits.append(f"{i['parameters'] / 1e6:.1f}M parameters, {i['dtype']} on {i['device']}")
         if "gguf" in i:
             bits.append(f"{i['gguf']} ({i['gguf_bytes'] / 2**20:.0f} MiB)")
+        if "vllm" in i:
+            bits.append(f"vLLM {i['vllm']}, {i['dtype']}, {'eager' if i['enforce_eager'] else 'torch.compile'}")
         if "block_size" in i:
             bits.append(f"block size {i['block_size']}, max-num-batched-tokens {i['max_num_batched_tokens']}, "
                         f"max-num-seqs {i['max_num_seqs']}, KV cache {i['kv_cache_tokens']} tokens")
