@@ -259,6 +259,20 @@ def test_serve_on_vllm_workers_chat_tools_and_responses(cluster):
         assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
         response = api.responses.create(model="tiny", input="What is 2 + 2?", max_output_tokens=8, temperature=0)
         assert response.output_text == chat.choices[0].message.content
+        # n seeded draws are reproducible; logprobs and stop strings come through
+        sampled = [api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=1.0, seed=11,
+                                               n=3) for _ in range(2)]
+        assert [c.message.content for c in sampled[0].choices] == [c.message.content for c in sampled[1].choices]
+        assert len(sampled[0].choices) == 3
+        scored = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                             logprobs=True, top_logprobs=2)
+        assert len(scored.choices[0].logprobs.content) == scored.usage.completion_tokens
+        assert all(len(t.top_logprobs) >= 1 and t.logprob <= 0 for t in scored.choices[0].logprobs.content)
+        text = chat.choices[0].message.content
+        if len(text) > 2:  # stop at a piece of the greedy answer: the answer ends before it
+            stopped = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                  stop=[text[2:4]])
+            assert stopped.choices[0].finish_reason == "stop" and text.startswith(stopped.choices[0].message.content)
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(30)
