@@ -10,6 +10,7 @@ Marker ``vllm``: ``make test-vllm`` runs these in .venv-vllm.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pathlib
@@ -41,6 +42,12 @@ QUESTIONS = [f"Question {i}: what does module number {i} of the standard library
 SYSTEMS = [f"System prompt {n}: you are assistant number {n}. Answer in one short sentence. " * 4 for n in range(3)]
 ENGINE = ("--option", "kv_cache_tokens=4096")
 START_DEADLINE = 300.0
+
+
+def _die_with_this_process() -> None:
+    """In a child, before exec: SIGKILL when the test process (its parent) dies, so a killed
+    pytest leaves no scheduler, worker or server behind (workers' engine cores follow them)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -104,7 +111,8 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[dict]:
             extra = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if name == "preload-worker" else {}
             log = (logs / f"{name}.log").open("w")
             procs[name] = subprocess.Popen([str(c) for c in command], stdout=log, stderr=subprocess.STDOUT,
-                                           env={**env, **extra}, process_group=group or 0)
+                                           env={**env, **extra}, process_group=group or 0,
+                                           preexec_fn=_die_with_this_process)
             group = group or procs[name].pid  # every process in the scheduler's group
         with dask.config.set({"daskllm.engine.block-size": VLLM_BLOCK}), \
                 Client(address, timeout=60, set_as_default=True) as client:
@@ -241,6 +249,7 @@ def test_serve_on_vllm_workers_chat_tools_and_responses(cluster):
     with log.open("w") as out:
         server = subprocess.Popen([str(BIN / "dask"), "llm", "serve", "--scheduler", cluster["address"], "--port", "0"],
                                   stdout=out, stderr=subprocess.STDOUT, process_group=cluster["procs"]["scheduler"].pid,
+                                  preexec_fn=_die_with_this_process,
                                   env={**os.environ, "DASK_DASKLLM__ENGINE__BLOCK_SIZE": str(VLLM_BLOCK)})
     try:
         _until(lambda: "daskllm serve: listening on " in log.read_text(), "the server listening", 120, server)
