@@ -175,9 +175,6 @@ def completion(request_id: str, prompt: list[int], out, cached: int, structured:
     return Completion(request_id, prompt, token_ids, text, reason, cached, chosen, top)
 
 
-_ALL_CLEARED = type("AllBlocksCleared", (), {})()
-
-
 class KVEventTranslator:
     """vLLM's KV-cache events as our chained block hashes.
 
@@ -198,7 +195,7 @@ class KVEventTranslator:
         elif kind == "BlockRemoved":
             self.removed(event.block_hashes)
         elif kind == "AllBlocksCleared":
-            self._ours.clear()
+            self.clear()
 
     def stored(self, hashes: Sequence, parent, token_ids: Sequence[int]) -> None:
         ours = ROOT_HASH if parent is None else self._ours.get(parent)
@@ -215,6 +212,9 @@ class KVEventTranslator:
     def removed(self, hashes: Iterable) -> None:
         for h in hashes:
             self._ours.pop(h, None)
+
+    def clear(self) -> None:
+        self._ours.clear()
 
     def resident(self) -> frozenset[int]:
         return frozenset(self._ours.values())
@@ -480,7 +480,7 @@ class VLLMEngine(BatchingEngine):
         if done:  # vLLM's AllBlocksCleared event may come later: an empty cache holds nothing now
             with self._lock:
                 self._shadow.clear()
-                self._translator.apply(_ALL_CLEARED)
+                self._translator.clear()
         return done
 
     def close(self) -> None:
