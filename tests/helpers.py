@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+
 import torch
 
 from daskllm.placement import set_policy  # noqa: F401 (tests import it from here)
@@ -20,6 +25,26 @@ def vllm_unavailable() -> str | None:
     from daskllm.engines.vllm import unavailable_reason
 
     return unavailable_reason()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], object], timeout: float, *procs: subprocess.Popen, what: str = "the condition",
+             interval: float = 0.2):
+    """Polls ``condition()`` until it is truthy and returns its value; fails at the deadline, or
+    as soon as one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode} while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(interval)
+    return value
 
 
 # --- the forward pass, bit for bit -----------------------------------------------------------

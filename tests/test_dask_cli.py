@@ -8,10 +8,8 @@ import os
 import pathlib
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -24,6 +22,7 @@ from distributed.cli import dask_scheduler, dask_worker
 import daskllm
 from daskllm.dask_cli import llm
 from daskllm.worker import resident_models
+from helpers import free_port, wait_for
 
 BIN = pathlib.Path(sys.executable).parent
 MALLOC = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
@@ -116,22 +115,6 @@ def test_worker_usage_errors(launched, args, message):
 
 
 # --- real processes -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition: Callable[[], object], timeout: float, *procs: subprocess.Popen) -> None:
-    """Until ``condition()``; fails at the deadline or as soon as one of ``procs`` exits."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"not within {timeout} s"
-        time.sleep(0.2)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import json
 import pathlib
 import queue
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from daskllm.engines.remote import (
     retry_after,
     retryable,
 )
+from helpers import free_port
 
 SERVE_DEADLINE = 180  # seconds for `daskllm serve` to start its cluster and answer
 NOWHERE = "http://127.0.0.1:1/v1"  # port 1: connections are refused at once
@@ -314,16 +314,10 @@ def test_an_endpoint_s_concurrency_and_rate_limits(server):
         assert (a.stats().running, a.stats().waiting) == (0, 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(SERVE_DEADLINE + 120)
 def test_a_dead_endpoint_fails_over_to_the_fallback(server, local):
-    dead = f"http://127.0.0.1:{_free_port()}/v1"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     params = SamplingParams(max_tokens=8)
     with RemoteEngine("tiny", base_url=dead, max_retries=1, retry_delay=0.01, fallback_base_url=server,
                       fallback_model="tiny") as remote:

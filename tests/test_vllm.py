@@ -16,7 +16,6 @@ import dataclasses
 import importlib.util
 import json
 import re
-import time
 
 import pytest
 
@@ -24,6 +23,7 @@ from daskllm import models
 from daskllm.engines import EngineSpec, SamplingParams, StructuredOutput
 from daskllm.engines.kv_cache import block_hashes
 from daskllm.engines.vllm import KVEventTranslator, PrefixShadow, finish_reason, sampling_kwargs, unavailable_reason
+from helpers import wait_for
 
 torch = pytest.importorskip("torch")
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a CUDA GPU")
@@ -186,14 +186,6 @@ def torch_engine(tiny_model_dir):
         yield engine
 
 
-def _until(condition, what: str, timeout: float = 10.0) -> None:
-    """Polls ``condition`` (KV events arrive after a request's output) until a deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.02)
-
-
 def _both(vllm_engine, torch_engine, prompts, params):
     return [e.generate(prompts, params) for e in (vllm_engine, torch_engine)]
 
@@ -267,8 +259,8 @@ def test_kv_events_are_the_cache_state_placement_reads(vllm_engine):
     assert not vllm_engine.cache_state().resident_hashes
     handle = vllm_engine.prefill(prompt)
     assert handle.block_hashes == tuple(block_hashes(prompt, bs))[:3]
-    _until(lambda: set(handle.block_hashes) <= vllm_engine.cache_state().resident_hashes,
-           "the prefilled blocks reported by KV events")
+    wait_for(lambda: set(handle.block_hashes) <= vllm_engine.cache_state().resident_hashes, 10,
+             what="the prefilled blocks reported by KV events", interval=0.02)
     done = vllm_engine.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True)).result(timeout=60)
     assert done.num_cached_tokens == 3 * bs
     assert vllm_engine.reset_prefix_cache()

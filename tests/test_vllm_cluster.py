@@ -15,12 +15,10 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import cloudpickle
 import dask
@@ -30,7 +28,7 @@ from distributed import Client
 import daskllm
 from daskllm.worker import engine_stats, reset_prefix_caches, resident_models
 from daskllm.worker.results import RESULTS
-from helpers import VLLM_BLOCK, cold_start, set_policy, vllm_unavailable
+from helpers import VLLM_BLOCK, cold_start, free_port, set_policy, vllm_unavailable, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
@@ -48,23 +46,6 @@ def _die_with_this_process() -> None:
     """In a child, before exec: SIGKILL when the test process (its parent) dies, so a killed
     pytest leaves no scheduler, worker or server behind (workers' engine cores follow them)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _until(condition: Callable[[], object], what: str, timeout: float, *procs: subprocess.Popen):
-    """Polls ``condition`` until it holds; fails at the deadline or when one of ``procs`` exits."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args[:3]} exited with {proc.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
-    return value
 
 
 def _engine_cores(worker_pid: int) -> list[int]:
@@ -86,7 +67,7 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[dict]:
     if reason := vllm_unavailable():
         pytest.skip(reason)
     logs = tmp_path_factory.mktemp("vllm-cluster")
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
     # PYTHONPATH: the workers import the reference pipelines from this checkout, as the client does
     env = {**os.environ, "DASK_DASKLLM__ENGINE__BLOCK_SIZE": str(VLLM_BLOCK), "PYTHONPATH": str(ROOT)}
@@ -116,9 +97,10 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[dict]:
             group = group or procs[name].pid  # every process in the scheduler's group
         with dask.config.set({"daskllm.engine.block-size": VLLM_BLOCK}), \
                 Client(address, timeout=60, set_as_default=True) as client:
-            _until(lambda: len(client.scheduler_info()["workers"]) == 2, "two workers", START_DEADLINE,
-                   *procs.values())
-            resident = _until(lambda: resident_models(client), "resident engines", START_DEADLINE, *procs.values())
+            wait_for(lambda: len(client.scheduler_info()["workers"]) == 2, START_DEADLINE, *procs.values(),
+                     what="two workers")
+            resident = wait_for(lambda: resident_models(client), START_DEADLINE, *procs.values(),
+                                what="resident engines")
             assert list(resident.values()) == [["tiny"]] * 2
             assert list(resident_models(client, "embed").values()) == [["all-MiniLM-L6-v2"]] * 2
             yield {"client": client, "address": address, "dashboard": dashboard, "procs": procs, "logs": logs}
@@ -252,7 +234,7 @@ def test_serve_on_vllm_workers_chat_tools_and_responses(cluster):
                                   preexec_fn=_die_with_this_process,
                                   env={**os.environ, "DASK_DASKLLM__ENGINE__BLOCK_SIZE": str(VLLM_BLOCK)})
     try:
-        _until(lambda: "daskllm serve: listening on " in log.read_text(), "the server listening", 120, server)
+        wait_for(lambda: "daskllm serve: listening on " in log.read_text(), 120, server, what="the server listening")
         url = log.read_text().split("daskllm serve: listening on ")[1].split()[0]
         api = openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0)
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -297,7 +279,7 @@ def test_a_worker_killed_mid_job_loses_nothing_and_leaves_no_engine_core(client)
     client.run(reset_prefix_caches)
     futures = client.compute([daskllm.generate(daskllm.prompt(s + "{q}\nAnswer:", q=QUESTIONS), model="tiny",
                                                max_tokens=24) for s in SYSTEMS])
-    _until(lambda: sum(map(bool, client.processing().values())) == 2, "work on both workers", 60)
+    wait_for(lambda: sum(map(bool, client.processing().values())) == 2, 60, what="work on both workers")
     victim = sorted(client.scheduler_info()["workers"])[0]
     pid = client.run(os.getpid, workers=[victim])[victim]
     cores = _engine_cores(pid)
@@ -306,5 +288,5 @@ def test_a_worker_killed_mid_job_loses_nothing_and_leaves_no_engine_core(client)
     assert client.gather(futures, errors="raise") == list(expected)
     import psutil
 
-    _until(lambda: not any(psutil.pid_exists(c) and psutil.Process(c).status() != psutil.STATUS_ZOMBIE
-                           for c in cores), "end of the killed worker's engine core", 10)
+    wait_for(lambda: not any(psutil.pid_exists(c) and psutil.Process(c).status() != psutil.STATUS_ZOMBIE
+                             for c in cores), 10, what="end of the killed worker's engine core")
