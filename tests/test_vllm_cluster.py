@@ -10,6 +10,7 @@ Marker ``vllm``: ``make test-vllm`` runs these in .venv-vllm.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -106,14 +107,14 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[dict]:
             yield {"client": client, "address": address, "dashboard": dashboard, "procs": procs, "logs": logs}
     finally:
         if group is not None:
-            with __import__("contextlib").suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGTERM)
             for proc in procs.values():
                 try:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     pass
-            with __import__("contextlib").suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)  # engine cores included
 
 
