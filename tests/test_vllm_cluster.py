@@ -271,17 +271,25 @@ def test_serve_on_vllm_workers_chat_tools_and_responses(cluster):
 
 
 def test_a_worker_killed_mid_job_loses_nothing_and_leaves_no_engine_core(client):
-    """SIGKILL one worker while both compute: its tasks run again elsewhere (or on its
-    restarted self), the results are exact, and its engine core is gone within 10 s."""
-    nodes = [daskllm.generate(daskllm.prompt(s + "{q}\nAnswer:", q=QUESTIONS), model="tiny", max_tokens=24)
-             for s in SYSTEMS]
-    expected = daskllm.compute(*nodes, **NAIVE)
+    """SIGKILL a worker while it computes: its tasks run again elsewhere (or on its restarted
+    self), the results are exact, and its engine core is gone within 10 s."""
+    questions = [f"{q} (variant {v})" for v in range(4) for q in QUESTIONS]
+    params = {"model": "tiny", "max_tokens": 64, "ignore_eos": True}  # a job of fixed length
+
+    def job():
+        return [daskllm.generate(daskllm.prompt(s + "{q}\nAnswer:", q=questions), **params) for s in SYSTEMS]
+
+    expected = daskllm.compute(*job(), **NAIVE)
     RESULTS.clear()
     client.run(reset_prefix_caches)
-    futures = client.compute([daskllm.generate(daskllm.prompt(s + "{q}\nAnswer:", q=QUESTIONS), model="tiny",
-                                               max_tokens=24) for s in SYSTEMS])
-    wait_for(lambda: sum(map(bool, client.processing().values())) == 2, 60, what="work on both workers")
-    victim = sorted(client.scheduler_info()["workers"])[0]
+    futures = client.compute(job())
+
+    def busy_worker():
+        """A worker with tasks of the job in hand; fails the test if the job ends first."""
+        assert not all(f.done() for f in futures), "the job finished before a worker could be killed"
+        return next((w for w, keys in client.processing().items() if keys), None)
+
+    victim = wait_for(busy_worker, 60, what="a worker computing the job", interval=0.05)
     pid = client.run(os.getpid, workers=[victim])[victim]
     cores = _engine_cores(pid)
     assert cores
