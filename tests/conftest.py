@@ -17,8 +17,23 @@ import dask.config
 import pytest
 from distributed import Client
 
+import reaper
 from daskllm import LocalLLMCluster
 from helpers import VLLM_BLOCK, vllm_unavailable
+
+CHECKOUT = str(pathlib.Path(__file__).resolve().parents[1])
+REAPER = pytest.StashKey()  # the run's reaper process, kept for the session
+
+
+def pytest_configure(config) -> None:
+    """The run's first pytest process (xdist's workers inherit its tag) tags the run and starts
+    its reaper, after ending what a killed earlier run of this checkout left (tests/reaper.py)."""
+    if reaper.TAG in os.environ:
+        return
+    reaper.kill(reaper.leftovers(CHECKOUT))
+    os.environ[reaper.TAG] = tag = reaper.this_run(CHECKOUT)
+    config.stash[REAPER] = reaper.start(tag)
+
 
 # A test using the llm_cluster fixture (directly or through another fixture) starts worker
 # processes and loads engines: it is marked with this, and `-m "not slow"` leaves it out.
