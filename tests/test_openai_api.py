@@ -279,7 +279,7 @@ def test_a_response_request_is_the_chat_of_its_instructions_and_input():
     assert body["output"][0]["content"] == [{"type": "output_text", "text": '{"city": "Par', "annotations": []}]
     assert body["usage"]["input_tokens"] == 3 and body["usage"]["output_tokens"] == 2
     events = responses.Events(req, call)
-    kinds = [e["type"] for e in [*events.start(), events.delta("{"), *events.finish(result)]]
+    kinds = [e["type"] for e in [*events.start(), *events.delta("{"), *events.finish(result)]]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", "response.output_text.delta", "response.output_text.done",
                      "response.content_part.done", "response.output_item.done", "response.incomplete"]
@@ -287,8 +287,14 @@ def test_a_response_request_is_the_chat_of_its_instructions_and_input():
 
 @pytest.mark.parametrize("body, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"), ({"tools": [{"type": "file_search"}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f f"}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": []}, "input"), ({"text": {"format": {"type": "xml"}}}, "text"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -299,3 +305,109 @@ def test_what_a_response_cannot_do_is_refused_by_name(body, param):
     with pytest.raises(APIError) as error:
         responses.call(responses.ResponsesRequest(model="tiny", **{"input": "Hi", **body}))
     assert error.value.param == param
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                   "strict": True},
+                  {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}}, "strict": True}]
+
+
+def test_a_response_with_tools_is_the_chat_with_those_tools():
+    """Function tools, tool_choice and the conversation's calls and results become the chat
+    route's: the same messages, tools and constraint, so the same prompt and tokens."""
+    from daskllm.serve import responses_api as responses
+
+    conversation = [{"role": "user", "content": "Weather in Paris?"},
+                    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}',
+                     "id": "fc_1", "status": "completed"},
+                    {"type": "function_call", "call_id": "call_2", "name": "now", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                    {"type": "function_call_output", "call_id": "call_2",
+                     "output": [{"type": "input_text", "text": "noon"}]}]
+    chat_messages = [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call_1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+                         {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                     {"role": "tool", "tool_call_id": "call_2", "content": "noon"}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in RESPONSE_TOOLS]
+    for choice, chat_choice in (("required", "required"), ("none", "none"), ("auto", "auto"),
+                                ({"type": "function", "name": "now"}, {"type": "function", "function": {"name": "now"}})):
+        for parallel in (None, False):
+            c = responses.call(responses.ResponsesRequest(model="tiny", input=conversation, tools=RESPONSE_TOOLS,
+                                                          tool_choice=choice, parallel_tool_calls=parallel))
+            chat = api.chat_call(api.ChatRequest(model="tiny", messages=chat_messages, tools=chat_tools,
+                                                 tool_choice=chat_choice, parallel_tool_calls=parallel))
+            assert (c.messages, c.tools, c.options) == (chat.messages, chat.tools, chat.options)
+            assert (c.prompt_field, chat.prompt_field) == ("input", "messages")
+    assert c.options["schema"] == {"type": "object", "properties": {}, "additionalProperties": False}
+    required = responses.call(responses.ResponsesRequest(model="tiny", input="Hi", tools=RESPONSE_TOOLS,
+                                                         tool_choice="required", parallel_tool_calls=False))
+    assert required.options["schema"]["maxItems"] == 1
+
+
+def test_response_calls_are_function_call_items_whole_and_streamed():
+    from daskllm.serve import responses_api as responses
+
+    req = responses.ResponsesRequest(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, tool_choice="required")
+    c = responses.call(req)
+    text = '[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"now","parameters":{}}]'
+    result = api.Result(text, [1, 2], "eos", [3])
+    output = responses.body(req, c, result)["output"]
+    assert [(o["type"], o["name"], o["arguments"], o["status"]) for o in output] == [
+        ("function_call", "get_weather", '{"city": "Oslo"}', "completed"), ("function_call", "now", "{}", "completed")]
+    assert all(o["call_id"].startswith("call_") and o["id"].startswith("fc_") for o in output)
+    # Streamed: a required list of calls comes whole at the end, one item per call
+    events = responses.Events(req, c)
+    got = [*events.start(), *events.delta(text[:20]), *events.delta(text[20:]), *events.finish(result)]
+    assert [e["type"] for e in got] == ["response.created", "response.in_progress"] + [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done"] * 2 + ["response.completed"]
+    assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [0, 1]
+    final = got[-1]["response"]["output"]
+    assert [(o["name"], o["arguments"]) for o in final] == [(o["name"], o["arguments"]) for o in output]
+    assert [e["item"]["id"] for e in got if e["type"] == "response.output_item.added"] == [o["id"] for o in final]
+    # A named function: its arguments stream as they decode
+    named = responses.ResponsesRequest(model="tiny", input="Weather?", tools=RESPONSE_TOOLS, stream=True,
+                                       tool_choice={"type": "function", "name": "get_weather"})
+    events = responses.Events(named, responses.call(named))
+    result = api.Result('{"city": "Rome"}', [1, 2], "eos", [3])
+    got = [*events.start(), *events.delta('{"city": '), *events.delta('"Rome"}'), *events.finish(result)]
+    assert [e["delta"] for e in got if e["type"] == "response.function_call_arguments.delta"] == [
+        '{"city": ', '"Rome"}']
+    assert [e["arguments"] for e in got if e["type"] == "response.function_call_arguments.done"] == [result.text]
+    # auto: text, then a call, as two items; tool_choice none: text only
+    auto = responses.ResponsesRequest(model="tiny", input="Weather?", tools=RESPONSE_TOOLS)
+    said = 'Let me look.<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    output = responses.body(auto, responses.call(auto), api.Result(said, [1], "eos", [3]))["output"]
+    assert [o["type"] for o in output] == ["message", "function_call"]
+    assert output[0]["content"][0]["text"] == "Let me look."
+    events = responses.Events(auto, responses.call(auto))
+    got = [*events.start(), *events.delta(said), *events.finish(api.Result(said, [1], "eos", [3]))]
+    assert [(o["type"], o.get("name")) for o in got[-1]["response"]["output"]] == [("message", None),
+                                                                                  ("function_call", "now")]
+
+
+def test_overflow_is_context_length_exceeded_naming_the_prompt_field():
+    """vLLM's wording and OpenAI's code; an explicit max_tokens counts, a default one does not
+    (generation stops at the context)."""
+    from daskllm.serve import responses_api as responses
+
+    chat = api.chat_call(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}]))
+    api.check_context(chat, 2047, 2048)  # the default max_tokens: room for one token is enough
+    with pytest.raises(APIError) as error:
+        api.check_context(chat, 2048, 2048)
+    assert (error.value.status, error.value.code, error.value.param) == (400, "context_length_exceeded", "messages")
+    assert "maximum context length is 2048 tokens" in str(error.value)
+    (completion_call,) = completion(prompt="x", max_tokens=100)
+    api.check_context(completion_call, 1948, 2048)
+    with pytest.raises(APIError) as error:
+        api.check_context(completion_call, 1949, 2048)
+    assert error.value.param == "prompt" and "you requested 2049 tokens (1949 in the prompt, 100" in str(error.value)
+    response = responses.call(responses.ResponsesRequest(model="tiny", input="hi", max_output_tokens=10))
+    with pytest.raises(APIError) as error:
+        api.check_context(response, 2040, 2048)
+    assert error.value.param == "input" and "max_output_tokens" in str(error.value)
+    assert error.value.body()["error"]["code"] == "context_length_exceeded"

@@ -291,7 +291,7 @@ async def _streamed(service: Service, calls: list[api.Call], request: Request) -
 
 async def _streamed_response(service: Service, req: responses_api.ResponsesRequest, call: api.Call,
                              request: Request) -> StreamingResponse:
-    """A Responses API stream: its typed events around the text deltas."""
+    """A Responses API stream: its typed events around the text and the calls' arguments."""
     (stream,) = await _opened(service, [call])
     events_of = responses_api.Events(req, call)
 
@@ -305,7 +305,8 @@ async def _streamed_response(service: Service, req: responses_api.ResponsesReque
                     for event in events_of.finish(item):
                         yield _event(event, named=True)
                 else:
-                    yield _event(events_of.delta(item), named=True)
+                    for event in events_of.delta(item):
+                        yield _event(event, named=True)
         except Exception as exc:  # noqa: BLE001 - after the headers went out, an error is an event
             logger.exception("streamed request failed")
             note(request, error=f"{type(exc).__name__}: {exc}")

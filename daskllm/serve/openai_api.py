@@ -160,6 +160,8 @@ class Call:
     deadline_ms: float | None = None
     tools: Tools | None = None
     messages: list[dict] | None = None  # the chat, where the prompt is rendered with tools
+    prompt_field: str = "prompt"  # the request's field the prompt came from (messages, input): errors name it
+    max_tokens_field: str | None = None  # the field that set max_tokens (None: the default)
     index: int = 0  # the choice this call answers
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # the request's (its choices share it)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -240,6 +242,7 @@ def completion_calls(req: CompletionRequest) -> list[Call]:
         else:
             raise APIError(f"prompt[{i}] must be text or a non-empty list of token ids", param="prompt")
         call = _call("completion", req, prompt, options, req.logprobs)
+        call.max_tokens_field = "max_tokens" if req.max_tokens is not None else None
         if calls:
             call.id, call.created = calls[0].id, calls[0].created  # one response
         calls += choices(call, req.n, first=i * req.n)
@@ -309,7 +312,24 @@ def chat_call(req: ChatRequest) -> Call:
         call = _call("chat", req, None, options, logprobs)
         call.messages = messages
     call.tools = tools
+    call.prompt_field = "messages"
+    call.max_tokens_field = limit[0] if limit[1] is not None else None
     return call
+
+
+def check_context(call: Call, prompt_tokens: int, context: int) -> None:
+    """Refuse a call its model's context cannot hold, as vLLM does: the prompt and one generated
+    token, or the prompt and an explicit ``max_tokens`` (a default one stops at the context)."""
+    field = call.prompt_field
+    limit = call.options["max_tokens"] if call.max_tokens_field is not None else 1
+    if prompt_tokens + limit <= context:
+        return
+    wanted = "the completion" if call.max_tokens_field is not None else "the one token generated first"
+    raise APIError(f"This model's maximum context length is {context} tokens. However, you requested "
+                   f"{prompt_tokens + limit} tokens ({prompt_tokens} in the {field}, {limit} in {wanted}). "
+                   f"Please reduce the length of the {field}"
+                   + (f" or {call.max_tokens_field}." if call.max_tokens_field is not None else "."),
+                   param=field, code="context_length_exceeded")
 
 
 def _response_format(fmt: dict) -> dict:
