@@ -18,6 +18,8 @@ import torch
 from daskllm.engines.invariant import ROW_MULTIPLE, Linear, linear, pad_rows
 from tests.helpers import check_forward_invariance
 
+pytestmark = pytest.mark.bits
+
 MAX_ROWS = 70
 # (K, N): the tiny model's projections (qkv, gate/up, down, lm head) and an odd shape
 SHAPES = [(256, 384), (256, 1408), (704, 256), (256, 16384), (96, 40)]

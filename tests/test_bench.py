@@ -86,6 +86,7 @@ def test_lru_hit_rate_depends_on_order():
     assert hit_rate(calls, grouped, 10**6) == hit_rate(calls, interleaved, 10**6)
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 def test_harness_runs_every_system_and_checks_exactness(tmp_path, daskllm_cache):
     out = tmp_path / "harness.json"
@@ -244,6 +245,7 @@ def test_engine_benchmark_ratios_pair_repetitions():
     assert engine._common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 def test_engine_benchmark_quick_mode_measures_engines_side_by_side(tmp_path, daskllm_cache):
     out = tmp_path / "engine.json"
@@ -267,6 +269,7 @@ def test_engine_benchmark_quick_mode_measures_engines_side_by_side(tmp_path, das
     assert "| measurement | torch | transformers |" in done.stdout and "no prefix cache" in done.stdout
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 def test_gpu_engine_benchmark_quick_mode_measures_both_systems(tmp_path, daskllm_cache):
     out = tmp_path / "gpu_engine.json"

@@ -105,6 +105,7 @@ def test_an_answer_cut_by_max_tokens_says_length(tiny_engine):
         json.loads(c.text)
 
 
+@pytest.mark.bits
 def test_constrained_requests_are_batch_invariant_and_leave_free_ones_alone(tiny_engine):
     schema = SamplingParams(max_tokens=48, structured=StructuredOutput.json_schema(PERSON))
     free = SamplingParams(max_tokens=12)
@@ -118,6 +119,7 @@ def test_constrained_requests_are_batch_invariant_and_leave_free_ones_alone(tiny
 # --- exactness -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.bits
 @pytest.mark.timeout(600)
 def test_greedy_constrained_tokens_equal_transformers_with_the_same_mask(smollm2_model_dir):
     """Our engine's masked decoding = transformers' generate with a LogitsProcessor applying the

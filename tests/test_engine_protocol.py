@@ -245,6 +245,7 @@ def test_reference_outputs_are_well_formed(reference):
 # --- exactness -----------------------------------------------------------------------------
 
 
+@pytest.mark.bits
 def test_batched_cold_equals_alone(backend, tiny_model_dir, engine, reference):
     _exact(backend)
     with _fresh(backend, tiny_model_dir, engine) as fresh:
@@ -260,6 +261,7 @@ def test_batched_cold_equals_alone(backend, tiny_model_dir, engine, reference):
     assert stats.max_batch_size > 1
 
 
+@pytest.mark.bits
 def test_cached_prefix_equals_alone(backend, engine, bs, reference):
     _exact(backend)
     again = _alone(engine, PROMPTS)
@@ -273,6 +275,7 @@ def test_cached_prefix_equals_alone(backend, engine, bs, reference):
     assert sum(c.num_cached_tokens for c in batch) > 0
 
 
+@pytest.mark.bits
 def test_shared_system_prompt_is_reused_across_prompts(backend, tiny_model_dir, engine, bs, reference):
     with _fresh(backend, tiny_model_dir, engine) as fresh:
         first, second = _alone(fresh, PROMPTS[2:4])
@@ -285,6 +288,7 @@ def test_shared_system_prompt_is_reused_across_prompts(backend, tiny_model_dir, 
     assert _tokens([first, second]) == _tokens(reference[2:4])
 
 
+@pytest.mark.bits
 def test_chunked_prefill_equals_alone(backend, chunked_engine, reference):
     _exact(backend)
     long_prompt = PROMPTS[6]
@@ -302,6 +306,7 @@ def test_chunked_prefill_equals_alone(backend, chunked_engine, reference):
     assert _tokens(_alone(chunked_engine, PROMPTS)) == _tokens(reference)
 
 
+@pytest.mark.bits
 def test_matches_transformers_greedy(backend, tiny_model_dir, reference):
     """float32 (torch, and vLLM's CPU build): the same tokens as transformers' generate, bit for bit. bfloat16: transformers'
     own bf16 products round differently with the number of rows (its CPU GEMM is not
@@ -405,6 +410,7 @@ def test_prefill_handle_and_reuse(engine, bs):
     assert short.num_tokens == 3
 
 
+@pytest.mark.bits
 def test_prefilled_prefix_gives_same_tokens(backend, tiny_model_dir, engine, bs):
     _exact(backend)
     prompt = _random_ids(79, 70 * bs // 16)
@@ -422,6 +428,7 @@ def test_prefilled_prefix_gives_same_tokens(backend, tiny_model_dir, engine, bs)
 # --- eviction and preemption -----------------------------------------------------------------
 
 
+@pytest.mark.bits
 def test_eviction_keeps_serving_exactly(backend, small_engine, engine, bs):
     prompts = [_random_ids(2000 + i, bs * 5 // 2) for i in range(8)]  # 3-4 blocks each with the output; 16 in the cache
     expected = _tokens(_alone(engine, prompts))
@@ -453,6 +460,7 @@ def test_eviction_keeps_serving_exactly(backend, small_engine, engine, bs):
         assert _tokens(small_engine.generate(prompts, GREEDY)) == expected
 
 
+@pytest.mark.bits
 def test_preemption_keeps_outputs_exact(backend, small_engine, engine, bs):
     _exact(backend)
     params = SamplingParams(max_tokens=40 * bs // 16, ignore_eos=True)
@@ -468,6 +476,7 @@ def test_preemption_keeps_outputs_exact(backend, small_engine, engine, bs):
     assert after.cache_blocks_used <= after.cache_blocks_total == 16
 
 
+@pytest.mark.bits
 def test_seeded_sampling_survives_preemption(backend, small_engine, engine, bs):
     _exact(backend)
     params = SamplingParams(max_tokens=40 * bs // 16, temperature=0.8, seed=11, ignore_eos=True)
@@ -484,6 +493,7 @@ def test_request_larger_than_cache_is_rejected(small_engine, bs):
 # --- concurrency ---------------------------------------------------------------------------
 
 
+@pytest.mark.bits
 def test_concurrent_threads_get_sequential_results(backend, engine, reference):
     _exact(backend)
     n = 24
@@ -527,6 +537,7 @@ def test_concurrent_threads_get_sequential_results(backend, engine, reference):
 # --- sampling --------------------------------------------------------------------------------
 
 
+@pytest.mark.bits
 def test_seeded_sampling_is_reproducible(backend, engine, reference):
     _exact(backend)
     prompt = PROMPTS[5]
@@ -644,6 +655,7 @@ def test_on_text_callbacks_concatenate_to_text(engine, reference):
     assert len(pieces) > 1  # delivered incrementally, not all at the end
 
 
+@pytest.mark.bits
 def test_failing_callback_fails_only_its_request(backend, engine, reference):
     _exact(backend)
     class Boom(Exception):
@@ -705,6 +717,7 @@ def test_longest_prompt_generates_one_token(engine):
     assert c.finish_reason == "length"
 
 
+@pytest.mark.bits
 def test_bad_requests_do_not_disturb_good_ones(backend, engine, reference, vocab_size):
     _exact(backend)
     good = [engine.submit(p, GREEDY) for p in PROMPTS]
@@ -728,6 +741,7 @@ def test_bad_requests_do_not_disturb_good_ones(backend, engine, reference, vocab
     assert _tokens(_alone(engine, PROMPTS[:3])) == _tokens(reference[:3])
 
 
+@pytest.mark.bits
 def test_generate_reports_bad_prompt_by_index(backend, engine, reference):
     _exact(backend)
     results = engine.generate([PROMPTS[1], 123, PROMPTS[4]], GREEDY, return_exceptions=True)
@@ -743,6 +757,7 @@ def test_generate_reports_bad_prompt_by_index(backend, engine, reference):
 # --- cancellation and shutdown ---------------------------------------------------------------
 
 
+@pytest.mark.bits
 def test_cancelled_future_does_not_break_others(backend, engine, reference):
     _exact(backend)
     futures = [engine.submit(p, GREEDY) for p in PROMPTS + PROMPTS]
@@ -761,6 +776,7 @@ def test_cancelled_future_does_not_break_others(backend, engine, reference):
     assert _tokens(_alone(engine, PROMPTS[:2])) == _tokens(reference[:2])
 
 
+@pytest.mark.bits
 def test_finished_failed_and_cancelled_requests_leave_no_blocks_in_use(backend, engine, reference):
     _exact(backend)
     def explode(_delta):

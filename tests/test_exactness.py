@@ -126,6 +126,7 @@ def client(llm_cluster, smollm2_model_dir):
         yield client
 
 
+@pytest.mark.bits
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_answers_through_a_cluster_equal_transformers_generate(client, tokenizer, smollm2_model_dir, questions):

@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_kernel_bits  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1", reason="TRITON_INTERPRET is not 1")
+pytestmark = [pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1", reason="TRITON_INTERPRET is not 1"),
+              pytest.mark.bits]
 
 
 ATTENTION = ("paged_attention", "paged_attention/split", "paged_attention/decode", "paged_attention/decode+split")

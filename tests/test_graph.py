@@ -51,6 +51,7 @@ def chain_and_fan(questions):
     return first, review, summary
 
 
+@pytest.mark.bits
 def test_optimized_and_naive_runs_return_identical_tokens(client):
     nodes = chain_and_fan(QUESTIONS + QUESTIONS[:3])  # with duplicates
     optimized = daskllm.compute(*nodes)
@@ -412,6 +413,7 @@ def test_explain_prints_the_plan(capsys):
     assert report["cse"]["merged"] == 2 and "parts" not in report
 
 
+@pytest.mark.bits
 def test_a_small_plan_runs_as_parts_one_per_worker_with_the_same_answers(client):
     """A handful of chained calls: the stage pass's per-worker shards become parts, one worker
     task each, placed on different workers; no prefill task, no task between the calls."""

@@ -46,6 +46,7 @@ def test_every_paper_has_its_pipelines():
         assert sys.modules[fn.__module__].__doc__.count(".txt")  # names its paper
 
 
+@pytest.mark.bits
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 def test_optimized_naive_opwise_and_sequential_runs_agree(client, inputs, name):
     fn, config = PIPELINES[name], _config(name)

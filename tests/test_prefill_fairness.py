@@ -109,6 +109,7 @@ def test_without_the_rule_a_running_prompt_takes_the_whole_budget():
     assert _advance(s, s.schedule()) == {"long": 512}  # the short one waits for the long prefill
 
 
+@pytest.mark.bits
 def test_a_short_request_finishes_first_and_every_output_is_the_one_alone(tiny_model_dir):
     """On a real engine: sent together behind a long prompt, a short request is done long
     before it, with the same tokens as each request alone (chunks change no output)."""

@@ -226,7 +226,8 @@ def test_embeddings_come_from_the_store_on_a_second_run(client):
     assert u.executed.get("embed", 0) == 0 and u.from_cache["embed"] == 10
     assert u.operators["embed"]["executed"] == 0 and u.operators["embed"]["from_cache"] == 10
     # Arrow fixed-size lists: each cell comes back as a list or an array, compared as arrays.
-    assert all(np.array_equal(a, b) for a, b in zip(first["q_embedding"], second["q_embedding"]))
+    assert all(np.array_equal(a, b)  # not-bits: the second run reads the first one's values back from the store
+               for a, b in zip(first["q_embedding"], second["q_embedding"]))
 
 
 def test_a_run_stopped_halfway_resumes_with_what_it_had_finished(client, store_path):

@@ -50,6 +50,7 @@ def test_embeddings_match_sentence_transformers(embedder):
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)
 
 
+@pytest.mark.bits
 def test_an_embedding_does_not_depend_on_its_batch(embedder):
     texts = DOCS + [f"filler text {i} " * (i % 9 + 1) for i in range(40)]
     together = embedder.embed(texts)
@@ -57,6 +58,7 @@ def test_an_embedding_does_not_depend_on_its_batch(embedder):
         assert np.array_equal(embedder.embed([texts[i]])[0], together[i])
 
 
+@pytest.mark.bits
 def test_concurrent_requests_share_batches(embedder):
     before = embedder.stats()
     texts = [f"request {i}: how do I parse {i} dates?" for i in range(24)]

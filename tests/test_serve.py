@@ -104,6 +104,7 @@ def test_chat_streamed_and_whole_equal_the_batch_run(client, cluster):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+@pytest.mark.bits
 def test_streamed_completion_matches_transformers_generate(client, tiny_model_dir):
     """The whole prompt string through transformers' own generate gives the same tokens."""
     import torch

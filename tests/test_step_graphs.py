@@ -41,6 +41,7 @@ def test_buckets_follow_the_step_shape():
     assert Bucket(8, 8, 0, 0, 0).decode and not Bucket(16, 8, 9, 8, 0).decode
 
 
+@pytest.mark.bits
 def test_a_padded_decode_bucket_gives_the_eager_logits(model):
     from daskllm.engines.cuda_graphs import StepGraphs
 
@@ -62,6 +63,7 @@ def test_a_padded_decode_bucket_gives_the_eager_logits(model):
         assert torch.equal(logits[i], eager[id(s)]), i
 
 
+@pytest.mark.bits
 def test_a_padded_mixed_bucket_gives_the_eager_logits(model):
     """Two prompts' chunks (one on a cached prefix) and a decode in one step of 31 tokens: bucket 32."""
     from daskllm.engines.cuda_graphs import StepGraphs
@@ -83,6 +85,7 @@ def test_a_padded_mixed_bucket_gives_the_eager_logits(model):
     assert graphs.bucket(65, 2, False, 0, 3, 2) is None  # past the largest bucket: eager
 
 
+@pytest.mark.bits
 @pytest.mark.slow  # about 15 s under the interpreter
 def test_prepare_compiles_first_then_keeps_the_paths_the_device_computes_exactly(model, monkeypatch):
     """TritonBackend.prepare, as an engine on a GPU calls it at load: inside compile_only (where the

@@ -100,6 +100,7 @@ def _step(attn, shape) -> tuple[Case, list, torch.Tensor]:
     return case, prefill, case.run(attn, prefill)
 
 
+@pytest.mark.bits
 @SHAPES
 def test_a_rows_bits_do_not_depend_on_the_split_or_the_tiling(attn, shape):
     case, prefill, want = _step(attn, shape)
@@ -113,6 +114,7 @@ def test_a_rows_bits_do_not_depend_on_the_split_or_the_tiling(attn, shape):
         assert torch.equal(got, want), name
 
 
+@pytest.mark.bits
 @SHAPES
 def test_a_decodes_bits_are_its_rows_in_a_prefill_tile(attn, shape):
     """Decodes of a few rows (by the chunk boundary, at a tile's edge, a context's last), in
@@ -134,6 +136,7 @@ def test_a_decodes_bits_are_its_rows_in_a_prefill_tile(attn, shape):
     assert torch.equal(alone[0], want[i])
 
 
+@pytest.mark.bits
 def test_a_steps_decode_and_prefill_tiles_can_be_two_calls_into_one_output(attn):
     """As the backend runs a mixed step: sequence 1's rows as decodes (decode tiles, split), then
     sequence 0's in prefill tiles, into the same ``out``: every row as one call gives it."""
@@ -146,6 +149,7 @@ def test_a_steps_decode_and_prefill_tiles_can_be_two_calls_into_one_output(attn)
         case.run(attn, prefill, out=out.float())
 
 
+@pytest.mark.bits
 def test_padding_tiles_compute_and_write_nothing(attn):
     """Tiles of 0 rows (a CUDA graph's padding), even ones naming rows and positions of real
     sequences, leave their rows as they were, in-program and split, and change no other row."""
@@ -159,6 +163,7 @@ def test_padding_tiles_compute_and_write_nothing(attn):
         assert bool((case.run(attn, padding, split_chunks=split, out=torch.full_like(case.q, 7.0)) == 7.0).all()), split
 
 
+@pytest.mark.bits
 def test_self_check_finds_every_path_equal_under_the_interpreter(attn):
     result = attn.self_check("cpu", torch.bfloat16, heads=8, kv_heads=1, head_dim=16, block_size=8,
                              contexts=(1, 140), chunk_keys=CHUNK)  # a group of 8: 16 positions a tile

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 # Before Triton is imported: it reads the switch once (as in tests/test_triton_kernels.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+pytestmark = pytest.mark.bits
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def tk():
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
+@pytest.mark.bits
 @DTYPES
 def test_matmul_rows_do_not_depend_on_the_row_count(tk, dtype):
     gen = torch.Generator().manual_seed(0)
@@ -60,6 +61,7 @@ def test_matmul_rows_do_not_depend_on_the_row_count(tk, dtype):
     assert tk.matmul(x[:0], w).shape == (0, 80)
 
 
+@pytest.mark.bits
 @DTYPES
 def test_rms_norm_matches_transformers_formula_row_by_row(tk, dtype):
     from daskllm.engines.backends import rms_norm
@@ -83,6 +85,7 @@ def _reference_attention(q, k_cache, v_cache, table, pos):
     return (torch.softmax(scores, -1).unsqueeze(1) @ vals).squeeze(1)
 
 
+@pytest.mark.bits
 @DTYPES
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(8, 2, 32, 16), (6, 2, 24, 8)],
                          ids=["gqa4-d32-bs16", "gqa3-d24-bs8"])  # and a group, head size and block not powers of 2
@@ -118,6 +121,7 @@ def micro_model_dir(tmp_path_factory):
     return write_micro_llama(tmp_path_factory.mktemp("micro"))
 
 
+@pytest.mark.bits
 @pytest.mark.slow  # about 30 s under the interpreter: a dozen steps of every kernel
 def test_triton_forward_is_batch_invariant(tk, micro_model_dir):
     """In bfloat16, the GPU default (float32 runs the same kernels with other constants: the

@@ -63,6 +63,7 @@ CASES = pytest.mark.parametrize("dtype,n,k", [(torch.float32, 40, 80), (torch.bf
                                 ids=["fp32-k80", "bf16-k64"])
 
 
+@pytest.mark.bits
 @CASES
 def test_every_config_of_a_plan_gives_a_row_the_same_bits_at_every_row_count(mm, dtype, n, k):
     x, w, b = operands(dtype, n, k)
@@ -84,6 +85,7 @@ def test_float32_products_match_torch(mm):
     torch.testing.assert_close(mm.matmul(x[:3], w), F.linear(x[:3], w), atol=1e-5, rtol=1e-5)  # the default plan
 
 
+@pytest.mark.bits
 def test_verify_drops_a_config_that_reduces_otherwise_and_keeps_the_others(mm, caplog):
     C = mm.MatmulConfig
     x, w, b = operands(torch.float32, 40, 80)
@@ -125,6 +127,7 @@ def test_default_plans_for_llama_1b_obey_the_rules(mm, capability):
                                        else mm.MatmulConfig(128, 128, 64, 8, 3))
 
 
+@pytest.mark.bits
 def test_the_tune_script_writes_its_numbers_and_plans_product_reads(mm, tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_matmul_tune

@@ -49,6 +49,7 @@ def test_every_worker_holds_the_model(client):
     assert resident_models(client, kind="rerank") == {w: ["all-MiniLM-L6-v2"] for w in workers}
 
 
+@pytest.mark.bits
 def test_tasks_share_one_engine_per_worker_and_match_in_process_output(client, expected):
     futures = client.map(generate_on_worker, PROMPTS, pure=False)
     results = client.gather(futures)
