@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-fast-baseline-cpu test-vllm bench clean cpu vllm wheelhouse
+.PHONY: demo test test-fast test-baseline-cpu test-vllm bench clean cpu vllm wheelhouse
 
 # The two pins the venv is built with; `make wheelhouse` uses the same.
 TORCH_PIN := torch==2.13.0
@@ -79,15 +79,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow"
 
-# The fast tier again with torch's and numpy's kernels for the x86-64 baseline (no AVX) in place
-# of the ones they pick for this CPU: a test asserting bits that depend on the kind of CPU passes
-# in one run and fails in the other, so .ci/run runs both. The variables only lower what a
-# library uses (safe on any x86-64 CPU); MKL's and OpenBLAS's kernels stay the machine's
-# (OPENBLAS_CORETYPE is left to it). scripts/cpu_kernels.py first checks they took effect.
+# The tests that compare bits (marker bits, tests/test_markers.py) of the fast tier again, with
+# torch's and numpy's kernels for the x86-64 baseline (no AVX) in place of the ones they pick for
+# this CPU: a test asserting bits that depend on the kind of CPU passes in one run and fails in
+# the other, so .ci/run runs both. The variables only lower what a library uses (safe on any
+# x86-64 CPU); MKL's and OpenBLAS's kernels stay the machine's (OPENBLAS_CORETYPE is left to it).
+# scripts/cpu_kernels.py first checks they took effect.
 BASELINE_CPU := ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
-test-fast-baseline-cpu: $(STAMP)
+test-baseline-cpu: $(STAMP)
 	$(BASELINE_CPU) $(PY) scripts/cpu_kernels.py --baseline
-	$(BASELINE_CPU) $(PY) -m pytest -q -n 2 -m "not slow"
+	$(BASELINE_CPU) $(PY) -m pytest -q -n 2 -m "bits and not slow"
 
 bench: $(STAMP)
 	$(PY) bench/engine.py

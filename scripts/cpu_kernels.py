@@ -2,7 +2,7 @@
 
     python scripts/cpu_kernels.py              # print them
     python scripts/cpu_kernels.py --baseline   # also exit 1 unless torch's and numpy's are the
-                                               # x86-64 baseline ones (make test-fast-baseline-cpu)
+                                               # x86-64 baseline ones (make test-baseline-cpu)
 
 * torch: the capability of its ATen kernels (``ATEN_CPU_CAPABILITY=default``: no AVX).
 * MKL, torch's BLAS: its numerical-reproducibility branch as ``MKL_VERBOSE`` reports it on a
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     wrong = [what for what, ok in (("torch (ATen)", found["torch (ATen)"] == "DEFAULT"),
                                    ("numpy SIMD past its baseline", not numpy_simd)) if not ok]
     if wrong:
-        print(f"not the baseline kernels: {', '.join(wrong)} (see the Makefile's test-fast-baseline-cpu)",
+        print(f"not the baseline kernels: {', '.join(wrong)} (see the Makefile's test-baseline-cpu)",
               file=sys.stderr)
     return 1 if wrong else 0
 
