@@ -20,6 +20,7 @@ exactness tests comparing tokens carry the marker by hand.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 import textwrap
@@ -75,6 +76,11 @@ def _comparisons(func: ast.AST, lines: list[str]) -> list[tuple[str, int]]:
     return found
 
 
+@functools.lru_cache(maxsize=4)
+def _parse(source: str) -> ast.Module:  # tests/helpers.py, once for every module
+    return ast.parse(source)
+
+
 def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
     return {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
@@ -89,7 +95,7 @@ def unmarked_bit_tests(path: str, source: str, helpers_source: str = "", helpers
                        ) -> list[str]:
     """``path:test (line): why`` for each test function of ``source`` that compares bits unmarked."""
     tree, lines = ast.parse(source), source.splitlines()
-    helpers_tree = ast.parse(helpers_source)
+    helpers_tree = _parse(helpers_source)
     helpers_lines = helpers_source.splitlines()
     local, helpers = _functions(tree), _functions(helpers_tree)
     imported = {alias.asname or alias.name: alias.name for n in ast.walk(tree)
