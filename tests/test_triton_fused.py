@@ -54,8 +54,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @DTYPES
-# Each a row masked past its end (a block of the next power of two): 48, the smallest, in the fast tier.
-@pytest.mark.parametrize("hidden", [48, *(pytest.param(h, marks=pytest.mark.slow) for h in (72, 96))])
+@pytest.mark.parametrize("hidden", [48, 72, 96])
 def test_add_rms_norm_rounds_the_sum_then_normalises_it(tk, dtype, hidden):
     from daskllm.engines.backends import rms_norm
 
@@ -114,10 +113,7 @@ def _cache(kv_heads: int, blocks: int, block_size: int, head_dim: int, dtype: to
 
 @DTYPES
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
-# gqa3-d24-bs8 masks head columns (d 24 in a tile of 32) and writes 2 K/V heads for 6 q heads;
-# mha-d16-bs16 masks no column, the same code with its masks all true: in the slow tier.
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block",
-                         [(6, 2, 24, 8), pytest.param(4, 4, 16, 16, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(6, 2, 24, 8), (4, 4, 16, 16)],
                          ids=["gqa3-d24-bs8", "mha-d16-bs16"])
 def test_rope_and_cache_matches_rope_and_the_cache_write(tk, dtype, qk_norm, heads, kv_heads, head_dim, block):
     from daskllm.engines.backends import rope
