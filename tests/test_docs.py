@@ -26,6 +26,11 @@ each block: a block passes when its line is written (the chain's last block: and
 exits 0), so each block keeps its own test without the chain's first blocks running once per
 block that continues them.
 
+An example that starts one ``LocalLLMCluster`` and uses it only through ``Client(cluster)``
+(nothing in ``FRESH``) runs, as written, on a cluster this test process keeps for its session,
+started with the same arguments (``tests/docs_site/docs_cluster.py``): a cluster start and the
+models' loading are paid once per set of arguments, not once per example.
+
 In ```bash / ```console blocks, every ``daskllm ...`` command is checked without running it:
 ``daskllm <the same arguments> --help`` must succeed (so the subcommands and options exist) and
 print every option the command uses.
@@ -33,6 +38,7 @@ print every option the command uses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -43,9 +49,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import yaml
+from collections.abc import Iterator
+
+from helpers import wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -279,6 +289,65 @@ def _run(program: str, cwd: pathlib.Path, env: dict, timeout: float) -> tuple[in
         return None, out, err
 
 
+# What makes an example need a cluster of its own: the cluster object used for more than
+# Client(cluster), other processes or signals, state a used cluster keeps (plugins, usage
+# records, the result store), the dashboard.
+FRESH = re.compile(r"(?<![\w.])cluster\.|subprocess|Popen|signal|os\.kill|register|usage\(|restart|retire|"
+                   r"shutdown|result_store|cache_info|dashboard|__file__")
+DOCS_SITE = ROOT / "tests" / "docs_site"
+
+
+def shares_cluster(program: str) -> bool:
+    return program.count("LocalLLMCluster(") == 1 and not FRESH.search(program)
+
+
+@dataclasses.dataclass
+class ClusterHost:
+    """The process that keeps the shared clusters (docs_cluster.host), and where to reach it."""
+    proc: subprocess.Popen
+    address: str
+    authkey: str
+    log: pathlib.Path
+
+    def env(self) -> dict:
+        return {"DASKLLM_DOCS_CLUSTER": self.address, "DASKLLM_DOCS_CLUSTER_KEY": self.authkey}
+
+    def log_tail(self) -> str:
+        return _tail(self.log.read_text(errors="replace"), 3000)
+
+
+@pytest.fixture(scope="session")
+def cluster_host(daskllm_cache) -> Iterator[ClusterHost]:
+    where = pathlib.Path(tempfile.mkdtemp(prefix="daskllm-docs-"))  # short: a socket path has at most 107 bytes
+    authkey = os.urandom(16).hex()
+    log = where / "host.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(DOCS_SITE / "docs_cluster.py"), str(where / "host.sock")],
+                                cwd=where, env={**_example_env(daskllm_cache), "DASKLLM_DOCS_CLUSTER_KEY": authkey},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    host = ClusterHost(proc, str(where / "host.sock"), authkey, log)
+    try:
+        wait_for(lambda: (where / "host.sock").exists(), 120, proc, what="the docs cluster host's socket")
+        yield host
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _example_env(daskllm_cache: str) -> dict:
+    """An example's environment: the user's default model, the session's model cache, the
+    repository root on PYTHONPATH (for ``pipelines`` and ``bench``)."""
+    env = {k: v for k, v in os.environ.items() if k != "DASK_DASKLLM__MODEL"}
+    env["DASKLLM_CACHE_DIR"] = daskllm_cache
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
 def _tail(text: str, n: int = 6000) -> str:
     return text if len(text) <= n else f"[... {len(text) - n} characters ...]\n{text[-n:]}"
 
@@ -295,24 +364,28 @@ _CHAIN_RUNS: dict[str, ChainRun] = {}  # by the chain's first block
 
 @pytest.mark.timeout(BLOCK_TIMEOUT + 60)
 @pytest.mark.parametrize("block", [_param(b) for b in PYTHON])
-def test_python_block_runs(block: Block, daskllm_cache, smollm2_model_dir, tmp_path):
+def test_python_block_runs(block: Block, daskllm_cache, smollm2_model_dir, tmp_path, request):
     reason = block.skip_reason()
     if reason:
         pytest.skip(reason)
     chain = block.chain()
     run = _CHAIN_RUNS.get(chain[0].id)
+    program = chain[-1].program()
+    host = request.getfixturevalue("cluster_host") if shares_cluster(program) else None
     if run is None:
-        env = {k: v for k, v in os.environ.items() if k != "DASK_DASKLLM__MODEL"}
-        env["DASKLLM_CACHE_DIR"] = daskllm_cache
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-        run = _CHAIN_RUNS[chain[0].id] = ChainRun(*_run(chain[-1].program(), tmp_path, env, BLOCK_TIMEOUT))
+        env = _example_env(daskllm_cache)
+        if host is not None:
+            env.update(host.env(), PYTHONPATH=os.pathsep.join([str(DOCS_SITE), env["PYTHONPATH"]]))
+        run = _CHAIN_RUNS[chain[0].id] = ChainRun(*_run(program, tmp_path, env, BLOCK_TIMEOUT))
     written = set(run.out.splitlines())
     if block.done_line in written and (block is not chain[-1] or run.code == 0):
         return
     failed = next((b for b in chain if b.done_line not in written), chain[-1])
     status = f"did not finish in {BLOCK_TIMEOUT} s" if run.code is None else f"exited {run.code}"
     where = "" if failed is block else f", in {failed.id}, which this block continues"
-    pytest.fail(f"{block.id} {status}{where}\n--- stdout ---\n{_tail(run.out)}\n--- stderr ---\n{_tail(run.err)}")
+    shared = f"\n--- the shared cluster's host ---\n{host.log_tail()}" if host is not None else ""
+    pytest.fail(f"{block.id} {status}{where}\n--- stdout ---\n{_tail(run.out)}\n--- stderr ---\n{_tail(run.err)}"
+                f"{shared}")
 
 
 # ---------------------------------------------------------------------------------------------
