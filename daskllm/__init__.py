@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib
 
-from daskllm import config  # noqa: F401  (registers dask.config defaults)
+from daskllm.quiet_start import quiet_until_started
+
+quiet_until_started()  # the `daskllm` command only: a Ctrl-C while the modules below import
+
+from daskllm import config  # noqa: E402,F401  (registers dask.config defaults)
 
 __version__ = "0.1.0"
 

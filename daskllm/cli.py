@@ -14,9 +14,12 @@ from daskllm import demo as demo_job
 from daskllm.cluster import DASHBOARD_ADDRESS
 from daskllm.datasets import catalog, load
 from daskllm.models import cache_dir, list_recipes, resolve
+from daskllm.quiet_start import started
 from daskllm.serve import serve_command
 from daskllm.worker import calibrations
 from daskllm.worker.store import open_store
+
+started()  # the modules are in: Ctrl-C is the commands' own again
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

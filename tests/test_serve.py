@@ -21,6 +21,7 @@ import pytest
 
 import daskllm
 from daskllm.engines import SamplingParams
+from helpers import wait_for
 from daskllm.serve import Service, serving
 from daskllm.serve.openai_api import Call
 from daskllm.serve.relay import StreamRelay
@@ -326,20 +327,50 @@ def test_requests_arriving_together_are_planned_together(cluster):
     assert usage.executed["generate"] == 4, usage
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_the_command_needs_its_key_embeds_by_default_and_stops_cleanly(daskllm_cache, tmp_path, stop):
-    """`daskllm serve` in a subprocess of its own process group: needs its key, serves the default
-    embedder with no --embedder, logs each request on stderr, and a SIGINT or SIGTERM to the whole
-    group (a terminal's Ctrl-C, a supervisor's stop) ends every process of it, exit status 0, with
-    no traceback (the time it took is printed: 0.6-0.8 s for the server, 2.8-3.8 s for the group
-    on this 2-core machine under load)."""
-    import time
+def _die_with_this_process() -> None:
+    """In the child, before exec: SIGKILL when the test process dies, so a killed pytest leaves no server."""
+    import ctypes
 
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _serve(tmp_path, *args: str, model: str = "tiny") -> tuple[subprocess.Popen, pathlib.Path]:
+    """`daskllm serve --model MODEL --workers 1 --port 0 ARGS` in a process group of its own; its
+    stderr goes to the file returned."""
     log = tmp_path / "stderr.log"
     with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "daskllm.cli", "serve", "--model", "tiny", "--workers", "1",
-                                 "--port", "0", "--api-key", "s3cret", "--dashboard-address", "127.0.0.1:0"],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "daskllm.cli", "serve", "--model", model, "--workers", "1",
+                                 "--port", "0", "--dashboard-address", "127.0.0.1:0", *args],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path, process_group=0,
+                                preexec_fn=_die_with_this_process)
+    return proc, log
+
+
+def _ends_cleanly(proc, log, signalled: float, within: float) -> None:
+    """The server exited 0 within ``within`` s of ``signalled`` (a monotonic time), printed no
+    traceback, and its whole process group is gone soon after."""
+    import time
+
+    assert proc.wait(timeout=60) == 0, log.read_text()
+    exited = time.monotonic() - signalled
+    assert exited < within, f"exited {exited:.2f} s after the signal"
+    wait_for(lambda: not _group(proc.pid), 60, what=f"the end of process group {proc.pid}", interval=0.05)
+    text = log.read_text()
+    assert "Traceback" not in text and "Aborted" not in text and "Restarting worker" not in text, text
+    print(f"exited {exited:.2f} s after the signal, its process group {time.monotonic() - signalled:.2f} s after")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["two SIGINTs", "SIGTERM"])
+def test_the_command_needs_its_key_embeds_by_default_and_stops_cleanly(daskllm_cache, tmp_path, stop):
+    """`daskllm serve` in a subprocess of its own process group: needs its key, serves the default
+    embedder with no --embedder, logs each request on stderr (a refused one as one line, no
+    traceback), and a SIGTERM to the whole group (a supervisor's stop) ends every process of
+    it, exit status 0, with no traceback; two Ctrl-Cs (SIGINT to the group) 0.2 s apart end it
+    at once (the times are printed: under 1 s for the server; the group follows as its workers
+    see their parent gone)."""
+    import time
+
+    proc, log = _serve(tmp_path, "--api-key", "s3cret")
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             line = pool.submit(_listening_line, proc).result(timeout=240)
@@ -351,22 +382,89 @@ def test_the_command_needs_its_key_embeds_by_default_and_stops_cleanly(daskllm_c
         assert {m.id for m in allowed.models.list()} == {"tiny", "all-MiniLM-L6-v2"}
         vectors = allowed.embeddings.create(model="all-MiniLM-L6-v2", input=["read a CSV file"])
         assert len(vectors.data[0].embedding) == 384
+        refused = _refusals(base, "s3cret")
+        lines = wait_for(lambda: [x for x in log.read_text().splitlines() if "daskllm.serve.access" in x]
+                         if log.read_text().count("daskllm.serve.access") >= 3 + len(refused) else None,
+                         DEADLINE, proc, what="an access-log line per request")
+        assert len(lines) == 3 + len(refused), lines  # one each: the models (twice), the vectors, the refusals
+        for (path, status), logged in zip(refused, lines[3:]):
+            assert f'"POST /v1/{path} HTTP/1.1" {status}' in logged, (path, logged)
+        assert "Compute Failed" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()
         members = _group(proc.pid)
         assert len(members) >= 3, members  # the server, its workers' forkserver, its worker
         os.killpg(proc.pid, stop)
-        sent = time.monotonic()
-        assert proc.wait(timeout=60) == 0
-        exited = time.monotonic() - sent
-        while _group(proc.pid):  # polled every 50 ms, up to a deadline
-            assert time.monotonic() < sent + 60, f"still running 60 s after {stop.name}: {_group(proc.pid)}"
-            time.sleep(0.05)
-        print(f"{stop.name}: the server exited {exited:.2f} s after it, its process group "
-              f"{time.monotonic() - sent:.2f} s after it")
-        text = log.read_text()
-        assert "Traceback" not in text and "Aborted" not in text and "Restarting worker" not in text, text
-        lines = text.splitlines()
+        if stop == signal.SIGINT:
+            time.sleep(0.2)  # the second Ctrl-C, while the server closes
+            os.killpg(proc.pid, signal.SIGINT)
+        _ends_cleanly(proc, log, time.monotonic(), within=1.0 if stop == signal.SIGINT else 60)
+        lines = log.read_text().splitlines()
         assert any('"GET /v1/models HTTP/1.1" 401' in line for line in lines), lines
         assert any('"GET /v1/models HTTP/1.1" 200' in line and "latency=" in line for line in lines), lines
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _refusals(base: str, key: str) -> list[tuple[str, int]]:
+    """Every kind of refusal, each asserted to be OpenAI's error: a prompt longer than the
+    model's context on each route, whole and streamed (context_length_exceeded, naming the
+    prompt's field), a bad field, an unknown model. Returns (route, status) in order."""
+    long = "x " * 5000  # tiny holds 2048 tokens
+    overflows = [("chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
+                 ("completions", {"prompt": long}, "prompt"), ("responses", {"input": long}, "input"),
+                 ("completions", {"prompt": "x", "max_tokens": 4000}, "prompt")]
+    sent = []
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=DEADLINE) as http:
+        for path, body, param in overflows:
+            for stream in (False, True):
+                reply = http.post(f"/{path}", json={"model": "tiny", **body, "stream": stream})
+                error = reply.json()["error"]
+                assert reply.status_code == 400 and error["code"] == "context_length_exceeded", reply.text
+                assert error["param"] == param and "maximum context length is 2048 tokens" in error["message"]
+                sent.append((path, 400))
+        bad = http.post("/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                   "temperature": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature", bad.text
+        unknown = http.post("/responses", json={"model": "nope", "input": "x"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
+    return sent + [("chat/completions", 400), ("responses", 404)]
+
+
+@pytest.mark.parametrize("delay", [0.5, 2.0, 5.0])
+def test_ctrl_c_at_any_moment_of_the_start_ends_it_quietly(daskllm_cache, tmp_path, delay):
+    """A Ctrl-C (SIGINT to the process group) this long after the launch, wherever the start is
+    (importing, starting the cluster, loading the model): exit 0 within 5 s, no traceback, and
+    nothing of the group left."""
+    import time
+
+    proc, log = _serve(tmp_path)
+    try:
+        time.sleep(delay)  # the moment of the signal is what is tested, not a wait for a condition
+        os.killpg(proc.pid, signal.SIGINT)
+        _ends_cleanly(proc, log, time.monotonic(), within=5.0)
+        assert "listening" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def test_a_model_no_worker_can_load_is_a_clear_exit(daskllm_cache, tmp_path):
+    """A model directory the workers cannot load (an architecture the torch engine does not run):
+    the command exits non-zero naming the model and the worker's error, and never says it listens."""
+    import json
+
+    model = tmp_path / "gpt2-like"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    proc, log = _serve(tmp_path, model=str(model))
+    try:
+        out, _ = proc.communicate(timeout=240)
+        text = log.read_text()
+        assert proc.returncode != 0 and "listening" not in out, (out, text)
+        assert f"cannot serve {model}" in text and "GPT2LMHeadModel" in text and "not supported" in text, text
+        wait_for(lambda: not _group(proc.pid), 60, what=f"the end of process group {proc.pid}", interval=0.05)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

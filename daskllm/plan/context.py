@@ -59,12 +59,17 @@ class ClusterView:
     holders: tuple[tuple[tuple[str, str], int], ...] = ()
     reporting: int = 0  # workers that report daskllm engines at all
     step_seconds: tuple[tuple[str, float], ...] = ()
+    contexts: tuple[tuple[str, int], ...] = ()  # (model name, the smallest context length of its holders)
 
     def decode_seconds(self, model: str, tokens: int) -> float | None:
         """About how long decoding ``tokens`` tokens of ``model`` takes at best on its holders;
         None: not measured yet."""
         step = dict(self.step_seconds).get(model_name(model))
         return None if step is None else step * tokens
+
+    def context(self, model: str) -> int | None:
+        """The most tokens (prompt and output) every holder of ``model`` takes; None: not reported."""
+        return dict(self.contexts).get(model_name(model))
 
     def holding(self, model: str, kind: str = "llm") -> int:
         """Workers holding ``model`` (by recipe name or path); at least 1, so shard sizes stay defined."""

@@ -58,6 +58,7 @@ def _asked(client) -> ClusterView:
     """The view, from the scheduler (one round trip)."""
     holders: Counter = Counter()
     fastest: dict[str, float] = {}  # model -> its holders' fastest decode step
+    contexts: dict[str, int] = {}  # model -> its holders' smallest context length
     reporting = 0
     for info in _workers_info(client):
         metrics = (info.get("metrics") or {}).get("daskllm")
@@ -66,11 +67,14 @@ def _asked(client) -> ClusterView:
         reporting += 1
         for kind, names in (metrics.get("models") or {}).items():
             holders.update((kind, model_name(name)) for name in set(names))
+        for name, length in (metrics.get("contexts") or {}).items():
+            contexts[model_name(name)] = min(int(length), contexts.get(model_name(name), int(length)))
         for name, stats in ((metrics.get("engines") or {}).get("llm") or {}).items():
             if (seconds := float(stats.get("fastest_decode_step") or 0.0)) > 0.0:
                 fastest[model_name(name)] = min(seconds, fastest.get(model_name(name), seconds))
     return ClusterView(on_cluster=True, holders=tuple(sorted(holders.items())), reporting=reporting,
-                       step_seconds=tuple(sorted((model, _power_of_two(s)) for model, s in fastest.items())))
+                       step_seconds=tuple(sorted((model, _power_of_two(s)) for model, s in fastest.items())),
+                       contexts=tuple(sorted(contexts.items())))
 
 
 def _power_of_two(seconds: float) -> float:

@@ -11,10 +11,11 @@ from distributed import Client
 
 from daskllm import config
 from daskllm.cluster import DASHBOARD_ADDRESS, LocalLLMCluster
-from daskllm.models import DEFAULT_EMBEDDING_MODEL
-from daskllm.serve.server import run
+from daskllm.models import DEFAULT_EMBEDDING_MODEL, ModelNotFoundError
+from daskllm.serve.server import Interrupted, run, stop_on_signals
 from daskllm.serve.service import Service
-from daskllm.worker import resident_models
+from daskllm.worker import EngineLoadError
+from daskllm.worker.control import wait_held
 
 
 @click.command("serve")
@@ -48,21 +49,26 @@ def serve_command(models, embedders, host, port, n_workers, threads_per_worker, 
                   max_batch, no_consolidate, pipelines, dashboard_address, access_log):
     """Serve LLMs over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/responses,
     /v1/embeddings, /v1/models), with requests consolidated into joint plans on a Dask cluster."""
+    stop_on_signals()
     if access_log is None:
         access_log = bool(config.get("serve.access-log", True))
     _log_to_stderr(access_log)
     cluster = None
-    if scheduler is None:
-        cluster = LocalLLMCluster(models=list(models) or None, embedders=list(embedders) or [DEFAULT_EMBEDDING_MODEL],
-                                  n_workers=n_workers, threads_per_worker=threads_per_worker,
-                                  dashboard_address=dashboard_address)
     try:
+        if scheduler is None:
+            cluster = LocalLLMCluster(models=list(models) or None,
+                                      embedders=list(embedders) or [DEFAULT_EMBEDDING_MODEL], n_workers=n_workers,
+                                      threads_per_worker=threads_per_worker, dashboard_address=dashboard_address)
         with Client(cluster if cluster is not None else scheduler) as client:
-            if cluster is not None:
-                resident_models(client)  # engines loaded before the first request
+            if cluster is not None:  # "listening" means a worker holds each model
+                wait_held(client, cluster.models)
             service = Service(client, consolidate=not no_consolidate, window=window / 1000, max_batch=max_batch,
                               pipelines=pipelines)
             run(service, host=host, port=port, api_key=api_key or None, on_started=_announce, access_log=access_log)
+    except Interrupted:
+        pass  # the first Ctrl-C or SIGTERM, wherever start-up or serving was: closing is next
+    except (ModelNotFoundError, EngineLoadError) as exc:
+        raise click.ClickException(f"cannot serve {', '.join(models) or config.get('model')}: {exc}") from None
     finally:
         if cluster is not None:
             cluster.close()

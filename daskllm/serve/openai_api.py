@@ -320,16 +320,18 @@ def chat_call(req: ChatRequest) -> Call:
 def check_context(call: Call, prompt_tokens: int, context: int) -> None:
     """Refuse a call its model's context cannot hold, as vLLM does: the prompt and one generated
     token, or the prompt and an explicit ``max_tokens`` (a default one stops at the context)."""
-    field = call.prompt_field
-    limit = call.options["max_tokens"] if call.max_tokens_field is not None else 1
+    field, given = call.prompt_field, call.max_tokens_field
+    limit = call.options["max_tokens"] if given is not None else 1
     if prompt_tokens + limit <= context:
         return
-    wanted = "the completion" if call.max_tokens_field is not None else "the one token generated first"
-    raise APIError(f"This model's maximum context length is {context} tokens. However, you requested "
-                   f"{prompt_tokens + limit} tokens ({prompt_tokens} in the {field}, {limit} in {wanted}). "
-                   f"Please reduce the length of the {field}"
-                   + (f" or {call.max_tokens_field}." if call.max_tokens_field is not None else "."),
-                   param=field, code="context_length_exceeded")
+    if given is None:
+        asked = f"your {field} have {prompt_tokens} tokens, and at least one token must be generated"
+    else:
+        asked = (f"you requested {prompt_tokens + limit} tokens ({prompt_tokens} in the {field}, {limit} in the "
+                 f"completion)")
+    raise APIError(f"This model's maximum context length is {context} tokens. However, {asked}. Please reduce "
+                   f"the length of the {field}{f' or {given}' if given else ''}.", param=field,
+                   code="context_length_exceeded")
 
 
 def _response_format(fmt: dict) -> dict:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -13,6 +15,32 @@ import uvicorn
 from daskllm import config
 from daskllm.serve.app import create_app
 from daskllm.serve.service import Service
+
+
+class Interrupted(BaseException):
+    """The first SIGINT or SIGTERM: stop, and close what was started. A BaseException, as
+    KeyboardInterrupt is, so that no library's ``except Exception`` swallows it."""
+
+
+def stop_on_signals() -> None:
+    """From now on the first SIGINT or SIGTERM raises :class:`Interrupted` in the main thread,
+    wherever it is (start-up included); a second exits at once. A terminal's Ctrl-C (or a
+    supervisor's stop) reaches the whole process group; the local workers ignore it and go
+    when their parent does."""
+
+    def first(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _exit_now)
+        raise Interrupted(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, first)
+
+
+def _exit_now(*_) -> None:
+    """A second signal while closing: the user means it."""
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Server(uvicorn.Server):
@@ -26,6 +54,11 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             self.on_started()
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and threading.current_thread() is threading.main_thread():
+            _exit_now()  # a second signal while uvicorn shuts down
+        super().handle_exit(sig, frame)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -44,13 +77,9 @@ def base_url(sock: socket.socket) -> str:
 
 def run(service: Service, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         on_started: Callable[[str], None] = print, log_level: str = "warning", access_log: bool = True) -> None:
-    """Serve until interrupted (SIGINT/SIGTERM), then return: the caller closes its cluster.
-
-    uvicorn re-raises the signal that stopped it once it has shut down: here it does nothing
-    more, so the caller's cleanup comes next rather than a KeyboardInterrupt's traceback, or
-    SIGTERM's default death, which would orphan the workers."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+    """Serve until interrupted (SIGINT/SIGTERM). uvicorn handles the signal while it serves,
+    shuts down, then raises it again for the handler it found: with :func:`stop_on_signals`,
+    :class:`Interrupted` comes out of here, and the caller closes its cluster."""
     sock = bind(host, port)
     url = base_url(sock)
     # uvicorn's own access log is off: the app's has the model, tokens and request id.

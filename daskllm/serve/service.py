@@ -26,7 +26,7 @@ from daskllm.retrieval import ShardedIndex
 from daskllm.runtime.view import take_view
 from daskllm.serve.consolidate import Consolidator
 from daskllm.serve.embeddings import Embedder, shortened
-from daskllm.serve.openai_api import APIError, Call, PipelineRequest, Result
+from daskllm.serve.openai_api import APIError, Call, PipelineRequest, Result, check_context
 from daskllm.serve.relay import StreamRelay
 from daskllm.serve.tools import ToolError, render
 
@@ -95,18 +95,25 @@ class Service:
             raise APIError(f"messages: the chat template cannot render them: {exc}", param="messages") from None
         return tokens(tokenizer.encode(text, False), call.model)
 
-    @staticmethod
-    def prompt_ids(node) -> list[int]:
-        (call,) = prompt_calls(node)
-        if not call.static:
+    def prompt_ids(self, call: Call, node) -> list[int]:
+        """The prompt's token ids, refused (``context_length_exceeded``) if the model's context
+        cannot hold them: here, rather than by the engine, whose refusal would be a failed task."""
+        (prompt,) = prompt_calls(node)
+        if not prompt.static:
             raise APIError("prompt: text that is not valid Unicode", param="prompt")
-        return list(call.parts[0])
+        ids = list(prompt.parts[0])
+        context = take_view(self.client).context(call.model)
+        if context is None:  # not reported yet (a worker that just loaded it), or an engine without one
+            context = take_view(self.client, fresh=True).context(call.model)
+        if context is not None:
+            check_context(call, len(ids), context)
+        return ids
 
     async def complete(self, calls: list[Call]) -> list[Result]:
         for call in calls:
             self.check_model(call.model)
         nodes = [self.node(c) for c in calls]
-        ids = [self.prompt_ids(n) for n in nodes]
+        ids = [self.prompt_ids(c, n) for c, n in zip(calls, nodes)]
         records = await asyncio.gather(*(self.consolidator.run(n, priority=c.priority, deadline_ms=c.deadline_ms)
                                          for n, c in zip(nodes, calls)))
         return [Result.from_record(r, i) for r, i in zip(records, ids)]
@@ -115,7 +122,7 @@ class Service:
         """Text deltas, then the :class:`Result`."""
         self.check_model(call.model)
         node = self.node(call)
-        ids = self.prompt_ids(node)
+        ids = self.prompt_ids(call, node)
         order = self.consolidator.order_key(call.priority, call.deadline_ms, time.monotonic())
         key = f"{call.id}-{call.index}"  # a choice's own stream
         async for item in self.relay.stream(key, call.model, ids, node.params["sampling"], -order):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 from distributed import get_worker
 
-from daskllm.worker.host import PLUGIN_NAME, host
+from daskllm.worker.host import PLUGIN_NAME, EngineLoadError, host
 from daskllm.worker.results import RESULTS
 
 
@@ -34,6 +37,23 @@ def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
         return sorted(plugin.engines.get(kind, {}))
 
     return client.run(models)
+
+
+def wait_held(client, models: Iterable[str], poll: float = 0.1) -> None:
+    """Block until some worker holds each LLM of ``models`` (its engines loaded, as it announces);
+    raise :class:`EngineLoadError` with a worker's error once every worker that started has
+    failed to load them. Loading has no deadline here: a first start may build a model."""
+    wanted = set(models)
+    while True:
+        events = [event for _, event in client.get_events("daskllm") if isinstance(event, dict)]
+        held = {name for e in events if e.get("action") == "engines-loaded"
+                for name in (e.get("models") or {}).get("llm", ())}
+        if wanted <= held:
+            return
+        failed = {e["worker"]: e["error"] for e in events if e.get("action") == "engines-failed"}
+        if failed and not set(client.scheduler_info(n_workers=-1)["workers"]) - set(failed):
+            raise EngineLoadError(next(iter(failed.values())))
+        time.sleep(poll)
 
 
 def clear_results() -> None:

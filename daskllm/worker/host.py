@@ -126,6 +126,8 @@ class EngineHost(WorkerPlugin):
             await self._load()
         except Exception as exc:  # noqa: BLE001 - logged, and the worker leaves: it must not serve without engines
             logger.error("daskllm: %s; worker %s leaves the cluster", exc, worker.address)
+            # For whoever waits for the model (`daskllm serve`): the reason, not a silent departure.
+            worker.log_event("daskllm", {"action": "engines-failed", "worker": worker.address, "error": str(exc)})
             await worker.close(reason=f"daskllm engines failed to load: {exc}", nanny=True)
 
     def record(self, key: str, usage: TaskUsage) -> None:
@@ -215,6 +217,9 @@ class EngineHost(WorkerPlugin):
             "models": self.models(),
             "engines": {kind: {name: e.stats().as_dict() for name, e in engines.items()}
                         for kind, engines in self.engines.items()},
+            # Each LLM's context length: a server refuses a prompt longer than it before submitting it.
+            "contexts": {name: e.max_model_len for name, e in self.engines.get("llm", {}).items()
+                         if getattr(e, "max_model_len", None)},
             "indexes": {name: {str(shard): index.ntotal for shard, index in shards.items()}
                         for name, shards in self.indexes.items()},
             # Resident prefix blocks, as the hex hashes task annotations use: the placement
