@@ -654,3 +654,140 @@ def test_errors_say_what_is_wrong_and_requests_are_logged(url, caplog):
     assert any('"POST /v1/chat/completions HTTP/1.1" 400' in line and "id=req-42" in line for line in lines), lines
     assert any('"POST /v1/completions HTTP/1.1" 200 model=tiny prompt_tokens=' in line
                and f"completion_tokens={good.json()['usage']['completion_tokens']}" in line for line in lines), lines
+
+
+RECORD = {"type": "function", **TOOL["function"], "strict": True}  # TOOL as the Responses API writes it
+NOW = {"type": "function", "name": "now", "description": "The time now", "strict": True,
+       "parameters": {"type": "object", "properties": {}}}
+
+
+def _as_chat_tool(tool: dict) -> dict:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _prompt_ids(**request) -> list[int]:
+    """The prompt token ids of a Responses API request, as the server renders it."""
+    from daskllm.serve import responses_api
+
+    return list(Service.tool_prompt(responses_api.call(responses_api.ResponsesRequest(**request))).segments[0].ids)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_loop_on_the_responses_api_is_the_chat_route_s(client, stream):
+    """An agent's loop on /v1/responses with the official client: tool_choice "required" makes the
+    model call the function; its output goes back as a function_call_output item with the call;
+    the model answers in text. Each step, greedy, is the chat route's answer to the same
+    conversation: the same prompt token ids, the same name, arguments and text."""
+    import json
+
+    question = {"role": "user", "content": "Paris, {France}"}
+    common = dict(model="tiny", tools=[RECORD], max_output_tokens=60, temperature=0)
+
+    def respond(**request):
+        if not stream:
+            return client.responses.create(**common, **request)
+        events = list(client.responses.create(**common, **request, stream=True))
+        final = events[-1].response
+        assert events[-1].type == f"response.{final.status}"
+        assert [e.item.id for e in events if e.type == "response.output_item.done"] == [o.id for o in final.output]
+        deltas = [e for e in events if e.type in ("response.output_text.delta", "response.function_call_arguments.delta")]
+        streamed = "".join(e.delta for e in deltas)
+        assert streamed == (final.output_text or "".join(o.arguments for o in final.output
+                                                           if o.type == "function_call"))
+        assert len(deltas) > 1  # it really streamed
+        return final
+
+    called = respond(input=[question], tool_choice="required")
+    (call,) = called.output
+    assert (call.type, call.name, call.status) == ("function_call", "record", "completed")
+    assert set(json.loads(call.arguments)) == {"city", "country"} and call.call_id.startswith("call_")
+    chat = client.chat.completions.create(model="tiny", messages=[question], tools=[_as_chat_tool(RECORD)],
+                                          tool_choice="required", max_tokens=60, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    (chat_call,) = chat.choices[0].message.tool_calls
+    assert (chat_call.function.name, chat_call.function.arguments) == (call.name, call.arguments)
+    assert called.usage.output_tokens == chat.usage.completion_tokens
+    assert _prompt_ids(input=[question], tool_choice="required", **common) == \
+        chat.choices[0].model_extra["prompt_token_ids"]
+
+    history = [question, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "recorded"}]
+    answered = respond(input=history, tool_choice="auto")
+    assert [o.type for o in answered.output] == ["message"] and answered.output_text
+    chat_history = [question, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "recorded"}]
+    after = client.chat.completions.create(model="tiny", messages=chat_history, tools=[_as_chat_tool(RECORD)],
+                                           max_tokens=60, temperature=0, extra_body={"return_token_ids": True})
+    assert answered.output_text == after.choices[0].message.content
+    assert answered.usage.output_tokens == len(after.choices[0].model_extra["token_ids"])
+    assert _prompt_ids(input=history, tool_choice="auto", **common) == after.choices[0].model_extra["prompt_token_ids"]
+
+
+def test_responses_tool_choice_named_none_and_parallel_calls(client):
+    """tool_choice naming a function calls it; `none` answers in text as the request without
+    tools does; `required` with two tools is a list of calls, at most one with
+    parallel_tool_calls false: each the chat route's answer."""
+    question = {"role": "user", "content": "Paris, {France}"}
+    common = dict(model="tiny", input=[question], tools=[RECORD, NOW], max_output_tokens=60, temperature=0)
+    chat_common = dict(model="tiny", messages=[question], tools=[_as_chat_tool(RECORD), _as_chat_tool(NOW)],
+                       max_tokens=60, temperature=0)
+
+    def calls(response):
+        return [(o.name, o.arguments) for o in response.output if o.type == "function_call"]
+
+    def chat_calls(reply):
+        return [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls or ()]
+
+    named = client.responses.create(**common, tool_choice={"type": "function", "name": "now"})
+    assert calls(named) == chat_calls(client.chat.completions.create(
+        **chat_common, tool_choice={"type": "function", "function": {"name": "now"}})) == [("now", "{}")]
+    for parallel in (True, False):
+        required = client.responses.create(**common, tool_choice="required", parallel_tool_calls=parallel)
+        assert required.parallel_tool_calls is parallel and calls(required)
+        assert calls(required) == chat_calls(client.chat.completions.create(
+            **chat_common, tool_choice="required", parallel_tool_calls=parallel))
+        assert parallel or len(calls(required)) == 1
+        assert len({o.call_id for o in required.output}) == len(required.output)
+    none = client.responses.create(**common, tool_choice="none")
+    assert [o.type for o in none.output] == ["message"]
+    assert none.output_text == client.chat.completions.create(**chat_common, tool_choice="none").choices[0].message.content
+    assert none.output_text == client.responses.create(model="tiny", input=[question], max_output_tokens=60,
+                                                       temperature=0).output_text
+    for tool, param in (({"type": "web_search"}, "tools"), ({"type": "file_search", "vector_store_ids": ["v"]}, "tools")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="tiny", input="x", tools=[tool])
+        assert refused.value.body["param"] == param and tool["type"] in refused.value.body["message"]
+
+
+def test_langchain_s_responses_mode_runs_a_bound_tool_loop(url):
+    """langchain-openai's ChatOpenAI(use_responses_api=True) with a bound tool, end to end: the
+    forced call, the tool's result sent back, the answer in text."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from pydantic import BaseModel, Field
+
+    class Place(BaseModel):  # short strings: tiny's random words would fill max_tokens
+        city: str = Field(max_length=12)
+        country: str = Field(max_length=12)
+
+    @tool(args_schema=Place)
+    def record(city: str, country: str) -> str:
+        """Record a city and its country"""
+        return f"recorded {city}, {country}"
+
+    llm = langchain_openai.ChatOpenAI(model="tiny", base_url=url, api_key="unused", use_responses_api=True,
+                                      temperature=0, max_tokens=60, timeout=DEADLINE, max_retries=0)
+    messages = [HumanMessage("Paris, {France}")]
+    called = llm.bind_tools([record], tool_choice="required").invoke(messages)
+    (call,) = called.tool_calls
+    assert call["name"] == "record" and set(call["args"]) == {"city", "country"}
+    messages += [called, ToolMessage(record.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = llm.bind_tools([record]).invoke(messages)
+    assert not answer.tool_calls and answer.text
+    streamed = list(llm.bind_tools([record], tool_choice="required").stream(messages[:1]))
+    merged = streamed[0]
+    for chunk in streamed[1:]:
+        merged += chunk
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [("record", call["args"])]
