@@ -40,9 +40,11 @@ def resident_models(client, kind: str = "llm") -> dict[str, list[str]]:
 
 
 def wait_held(client, models: Iterable[str], poll: float = 0.1) -> None:
-    """Block until some worker holds each LLM of ``models`` (its engines loaded, as it announces);
-    raise :class:`EngineLoadError` with a worker's error once every worker that started has
-    failed to load them. Loading has no deadline here: a first start may build a model."""
+    """Block until some worker holds each LLM of ``models`` (its engines loaded, as it announces),
+    or raise :class:`EngineLoadError` with a worker's error once one failed to load them while
+    none holds them: the workers of one cluster load the same models, and would fail alike
+    (their nannies restarting them to fail again). Loading has no deadline here: a first start
+    may build a model."""
     wanted = set(models)
     while True:
         events = [event for _, event in client.get_events("daskllm") if isinstance(event, dict)]
@@ -50,9 +52,9 @@ def wait_held(client, models: Iterable[str], poll: float = 0.1) -> None:
                 for name in (e.get("models") or {}).get("llm", ())}
         if wanted <= held:
             return
-        failed = {e["worker"]: e["error"] for e in events if e.get("action") == "engines-failed"}
-        if failed and not set(client.scheduler_info(n_workers=-1)["workers"]) - set(failed):
-            raise EngineLoadError(next(iter(failed.values())))
+        failed = [e["error"] for e in events if e.get("action") == "engines-failed"]
+        if failed:
+            raise EngineLoadError(failed[0])
         time.sleep(poll)
 
 
