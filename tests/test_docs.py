@@ -46,6 +46,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -306,11 +307,10 @@ class ClusterHost:
     """The process that keeps the shared clusters (docs_cluster.host), and where to reach it."""
     proc: subprocess.Popen
     address: str
-    authkey: str
     log: pathlib.Path
 
     def env(self) -> dict:
-        return {"DASKLLM_DOCS_CLUSTER": self.address, "DASKLLM_DOCS_CLUSTER_KEY": self.authkey}
+        return {"DASKLLM_DOCS_CLUSTER": self.address}
 
     def log_tail(self) -> str:
         return _tail(self.log.read_text(errors="replace"), 3000)
@@ -318,14 +318,14 @@ class ClusterHost:
 
 @pytest.fixture(scope="session")
 def cluster_host(daskllm_cache) -> Iterator[ClusterHost]:
-    where = pathlib.Path(tempfile.mkdtemp(prefix="daskllm-docs-"))  # short: a socket path has at most 107 bytes
-    authkey = os.urandom(16).hex()
+    # mkdtemp: only this user may reach the socket; short: a socket path has at most 107 bytes
+    where = pathlib.Path(tempfile.mkdtemp(prefix="daskllm-docs-"))
     log = where / "host.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, str(DOCS_SITE / "docs_cluster.py"), str(where / "host.sock")],
-                                cwd=where, env={**_example_env(daskllm_cache), "DASKLLM_DOCS_CLUSTER_KEY": authkey},
+                                cwd=where, env=_example_env(daskllm_cache),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    host = ClusterHost(proc, str(where / "host.sock"), authkey, log)
+    host = ClusterHost(proc, str(where / "host.sock"), log)
     try:
         wait_for(lambda: (where / "host.sock").exists(), 120, proc, what="the docs cluster host's socket")
         yield host
@@ -337,6 +337,7 @@ def cluster_host(daskllm_cache) -> Iterator[ClusterHost]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _example_env(daskllm_cache: str) -> dict:

@@ -5,10 +5,12 @@ call) of an example that computes for a second or two. tests/test_docs.py runs a
 starts one cluster, and reaches it only through ``Client(cluster)``, on a cluster a host
 process keeps for the test process's session instead:
 
-- the host (``python docs_cluster.py ADDRESS``, started by the test process with the examples'
+- the host (``python docs_cluster.py SOCKET``, started by the test process with the examples'
   environment) starts a ``LocalLLMCluster`` with the arguments an example gives, keeps the last
   ``KEEP`` of them, and empties a kept one's caches before it serves the next example
-  (``cold_start``); one an example did not close cleanly is closed, never reused;
+  (``cold_start``); one an example did not close cleanly is closed, never reused, and all are
+  closed after ``IDLE`` seconds without an example (an idle cluster's heartbeats take about 5%
+  of a core, which the other tests need);
 - in the example's process (this folder's ``sitecustomize`` on its ``PYTHONPATH``),
   ``daskllm.LocalLLMCluster`` is :class:`SharedCluster`: a handle on the host's cluster of the
   same arguments, which ``Client`` accepts as it accepts a cluster. Anything else an example
@@ -23,21 +25,22 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import socket
 import sys
 import traceback
 from multiprocessing.connection import Client as Connect
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Connection
 
-ADDRESS = "DASKLLM_DOCS_CLUSTER"  # the host's socket, in the example's environment
-AUTHKEY = "DASKLLM_DOCS_CLUSTER_KEY"  # hex
+ADDRESS = "DASKLLM_DOCS_CLUSTER"  # the host's socket (in a directory only its user reads), for the example
 KEEP = 2  # clusters a host keeps (each holds the default model and embedder per worker)
+IDLE = 20.0  # seconds without an example before the host closes its clusters
 
 
 class SharedCluster:
     """A handle on the docs host's cluster with these arguments (see the module's docstring)."""
 
     def __init__(self, *args, **kwargs):
-        self._conn = Connect(os.environ[ADDRESS], authkey=bytes.fromhex(os.environ[AUTHKEY]))
+        self._conn = Connect(os.environ[ADDRESS], family="AF_UNIX")
         self._conn.send((args, kwargs))
         reply = self._conn.recv()
         if reply[0] == "error":
@@ -101,9 +104,18 @@ def host(address: str) -> None:
     from daskllm.runtime.control import cold_start
 
     kept: dict[str, tuple] = {}  # by arguments, the last used last
-    with Listener(address, authkey=bytes.fromhex(os.environ[AUTHKEY])) as listener:
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        listener.listen()
         while True:
-            with listener.accept() as conn:
+            listener.settimeout(IDLE if kept else None)
+            try:
+                conn = Connection(listener.accept()[0].detach())
+            except TimeoutError:
+                while kept:
+                    _close(*kept.pop(next(iter(kept))))
+                continue
+            with conn:
                 try:
                     args, kwargs = conn.recv()
                 except EOFError:
