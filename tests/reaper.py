@@ -28,7 +28,8 @@ DEADLINE = 25.0  # seconds the reaper keeps killing (a killed pytest leaves noth
 
 
 def tag_of(process: psutil.Process) -> str:
-    """The run tag a process was started with ("" for none, or one we may not read)."""
+    """The run tag a process was started with ("" for none, or one we may not read: a process
+    in the middle of exec shows an empty environment for a moment, so callers scan again)."""
     try:
         return process.environ().get(TAG, "")
     except (psutil.Error, OSError):

@@ -49,7 +49,9 @@ def test_a_run_s_processes_end_with_it(tmp_path, how):
     try:
         child, grandchild = map(int, run.stdout.readline().split())
         assert not _gone(child) and not _gone(grandchild)
-        assert reaper.tag_of(psutil.Process(grandchild)).endswith(f":{tmp_path}")
+        # a process that has just exec'd shows an empty environment for a moment
+        tag = wait_for(lambda: reaper.tag_of(psutil.Process(grandchild)), 10, what="the grandchild's environment")
+        assert tag.endswith(f":{tmp_path}")
         if how == "killed":
             run.kill()
         else:
@@ -72,7 +74,7 @@ def test_leftovers_are_the_processes_of_a_checkout_s_dead_runs(tmp_path):
     hold = [sys.executable, "-c", "import time; time.sleep(600)"]
     procs = [subprocess.Popen(hold, env={**os.environ, reaper.TAG: tag}) for tag in (dead_tag, live_tag)]
     try:
-        found = reaper.leftovers(str(tmp_path))
+        found = wait_for(lambda: reaper.leftovers(str(tmp_path)), 10, what="the leftover")
         assert [p.pid for p in found] == [procs[0].pid]
         assert not reaper.leftovers(str(tmp_path / "other"))
     finally:
