@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     after = read(args.log)
     before = read(args.before) if args.before else None
-    print("| cause | " + ("before (s) | " if before else "") + "test time (s) |")
+    print("| cause | " + ("before (s) | after (s) |" if before else "test time (s) |"))
     print("|---|" + ("---:|" if before else "") + "---:|")
     rows = by_cause(after)
     old = by_cause(before) if before else {}
