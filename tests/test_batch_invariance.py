@@ -2,10 +2,11 @@
 
 Greedy decoding gives the same tokens alone, batched and on a cached prefix only if a row's
 matrix product has the same bits whatever other rows share the call. ``invariant.Linear``
-(the Llama engine's projections: a weight prepared once for oneDNN on CPU) relies on the
-kernel for that; ``linear`` (its fallback, and the BERT engine's) pads the row count to a
-multiple of ``ROW_MULTIPLE``. Both are checked here. If this fails on a machine, the engine
-is not exact there, even though token-level tests rarely notice a last-bit difference (a
+(the Llama and BERT engines' projections: a weight prepared once for oneDNN on CPU) runs
+oneDNN at any row count from the floor ``min_rows`` probes on this CPU, and in calls of a
+fixed row count where there is no small floor; ``linear`` (its fallback) always runs fixed-size
+calls. All three are checked here, whichever the probe picked. If this fails on a machine, the
+engine is not exact there, even though token-level tests rarely notice a last-bit difference (a
 random model's top two logits are seldom that close): hence the forward-pass checks at the end,
 which compare logits bit for bit.
 """
@@ -15,14 +16,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daskllm.engines.invariant import ROW_MULTIPLE, Linear, linear, pad_rows
+from daskllm.engines import invariant
+from daskllm.engines.invariant import BLOCK_ROWS, ROW_MULTIPLE, Linear, in_blocks, linear, pad_rows
 from tests.helpers import check_forward_invariance
 
 pytestmark = pytest.mark.bits
 
 MAX_ROWS = 70
-# (K, N): the tiny model's projections (qkv, gate/up, down, lm head) and an odd shape
-SHAPES = [(256, 384), (256, 1408), (704, 256), (256, 16384), (96, 40)]
+# (K, N): the tiny model's projections (qkv, gate/up, down, lm head), smollm2's down projection
+# (a lone row sums K = 1536 in another order on AVX-512 CPUs) and an odd shape
+SHAPES = [(256, 384), (256, 1408), (704, 256), (256, 16384), (1536, 576), (96, 40)]
 
 
 # 1 and 2 threads, and whatever this machine uses by default (what an engine here would use)
@@ -45,10 +48,34 @@ def test_pad_rows():
     assert all(pad_rows(n) - n < ROW_MULTIPLE for n in range(ROW_MULTIPLE, 200))
 
 
-# The two batch-invariant products: padded rows, and a weight prepared once (oneDNN on CPU).
+def test_in_blocks_calls_the_product_with_exactly_block_rows():
+    seen = []
+
+    def product(rows):
+        seen.append(rows.shape[0])
+        return rows * 2
+
+    for n in (1, BLOCK_ROWS - 1, BLOCK_ROWS, BLOCK_ROWS + 1, 3 * BLOCK_ROWS + 5):
+        seen.clear()
+        x = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+        assert torch.equal(in_blocks(product, x), x * 2)
+        assert seen == [BLOCK_ROWS] * -(-n // BLOCK_ROWS)
+
+
+def _onednn_in_blocks(w, b=None):
+    product = Linear(w, b)
+    if not product.packed:
+        pytest.skip("oneDNN does not run this dtype's products here")
+    product.kernel = "onednn-blocks"
+    return product
+
+
+# The batch-invariant products: fixed-size calls (F.linear), a weight prepared once (oneDNN, at
+# any row count or in fixed-size calls, as this CPU's probe chose), and oneDNN in fixed-size calls.
 IMPLS = {
-    "padded": lambda w, b=None: (lambda x: linear(x, w, b)),
+    "blocks": lambda w, b=None: (lambda x: linear(x, w, b)),
     "prepared": lambda w, b=None: Linear(w, b),
+    "prepared-blocks": _onednn_in_blocks,
 }
 
 
@@ -111,13 +138,29 @@ def test_linear_matches_f_linear_numerically(impl):
 
 
 def test_prepared_linear_uses_onednn_on_cpu():
-    """The fast path is the one in use where oneDNN is (else the engine silently pads rows)."""
+    """The fast path is the one in use where oneDNN is (else the engine runs fixed-size calls)."""
     w = torch.randn(32, 64)
     assert Linear(w).packed == torch.backends.mkldnn.is_available()
-    assert not Linear(w, pack=False).packed
-    assert not Linear(w.double()).packed  # float32 and bfloat16 only: other dtypes pad rows
+    floor = invariant.min_rows(torch.float32)
+    assert Linear(w).kernel == ("onednn" if floor else "onednn-blocks")
+    assert Linear(w).min_rows == (floor or BLOCK_ROWS)
+    assert Linear(w, pack=False).kernel == "blocks"
+    assert Linear(w.double()).kernel == "blocks"  # float32 and bfloat16 only
     assert Linear(w.bfloat16()).packed == (torch.backends.mkldnn.is_available()
                                           and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_the_probe_finds_the_row_count_a_kernel_is_invariant_from(monkeypatch):
+    """``min_rows`` on stand-in kernels: one that computes each row alone, one whose bits differ
+    for a lone row (as AVX-512's float32 kernels at K = 1536), one whose bits change above 16
+    rows (as AMX's bfloat16 kernels)."""
+    monkeypatch.setattr(invariant, "_reorder", lambda w: w)
+    by_row = lambda x, packed, bias: torch.stack([packed @ row for row in x])  # noqa: E731
+    for kernel, floor in [(by_row, 1),
+                          (lambda x, packed, bias: by_row(x, packed, bias) * (1 + 2 ** -20 * (x.shape[0] == 1)), 2),
+                          (lambda x, packed, bias: by_row(x, packed, bias) * (1 + 2 ** -20 * (x.shape[0] > 16)), None)]:
+        monkeypatch.setattr(invariant, "_onednn_product", kernel)
+        assert invariant.min_rows.__wrapped__(torch.float32) == floor
 
 
 # --- the whole forward pass, in float32 and bfloat16 (tests/helpers.py: check_forward_invariance;

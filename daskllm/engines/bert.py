@@ -6,7 +6,7 @@ flip and an optimized pipeline would no longer return what the naive one returns
 in :mod:`daskllm.engines.llama`, nothing here lets the batch change a reduction:
 
 * Texts are never padded. All tokens of a batch go through the dense layers as one flat
-  matrix, with the row count padded (:func:`daskllm.engines.invariant.linear`).
+  matrix, by batch-invariant products (:class:`daskllm.engines.invariant.Linear`).
 * Attention runs per group of texts of equal length: each text attends over exactly its
   own tokens, in a batched matmul whose per-text shape never changes.
 
@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from daskllm.engines.invariant import linear
+from daskllm.engines.invariant import Linear
 from daskllm.engines.llama import load_state_dict
 
 
@@ -62,12 +62,12 @@ class BertEncoder:
             p = f"encoder.layer.{i}."
             a = p + "attention."
             self.layers.append({
-                "qkv": torch.cat([take(a + f"self.{n}.weight") for n in ("query", "key", "value")]),
-                "qkv_bias": torch.cat([take(a + f"self.{n}.bias") for n in ("query", "key", "value")]),
-                "out": (take(a + "output.dense.weight"), take(a + "output.dense.bias")),
+                "qkv": Linear(torch.cat([take(a + f"self.{n}.weight") for n in ("query", "key", "value")]),
+                              torch.cat([take(a + f"self.{n}.bias") for n in ("query", "key", "value")])),
+                "out": Linear(take(a + "output.dense.weight"), take(a + "output.dense.bias")),
                 "attn_norm": (take(a + "output.LayerNorm.weight"), take(a + "output.LayerNorm.bias")),
-                "up": (take(p + "intermediate.dense.weight"), take(p + "intermediate.dense.bias")),
-                "down": (take(p + "output.dense.weight"), take(p + "output.dense.bias")),
+                "up": Linear(take(p + "intermediate.dense.weight"), take(p + "intermediate.dense.bias")),
+                "down": Linear(take(p + "output.dense.weight"), take(p + "output.dense.bias")),
                 "out_norm": (take(p + "output.LayerNorm.weight"), take(p + "output.LayerNorm.bias")),
             })
 
@@ -88,13 +88,13 @@ class BertEncoder:
         rows = {n: torch.cat([torch.arange(starts[i], starts[i] + n) for i in members])
                 for n, members in groups.items()}
         for layer in self.layers:
-            qkv = linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](h)
             attn = torch.empty_like(h)
             for n, members in groups.items():
                 attn[rows[n]] = self._attend(qkv[rows[n]], len(members), n)
-            h = F.layer_norm(h + linear(attn, *layer["out"]), (self.hidden_size,), *layer["attn_norm"], self.eps)
-            up = F.gelu(linear(h, *layer["up"]))
-            h = F.layer_norm(h + linear(up, *layer["down"]), (self.hidden_size,), *layer["out_norm"], self.eps)
+            h = F.layer_norm(h + layer["out"](attn), (self.hidden_size,), *layer["attn_norm"], self.eps)
+            up = F.gelu(layer["up"](h))
+            h = F.layer_norm(h + layer["down"](up), (self.hidden_size,), *layer["out_norm"], self.eps)
         return [h[starts[i]:starts[i + 1]] for i in range(len(texts))]
 
     def _attend(self, qkv: torch.Tensor, count: int, length: int) -> torch.Tensor:

@@ -72,6 +72,9 @@ GPU_INSTALL = "on a CUDA machine, pip install 'daskllm[vllm]'"
 CUDA_ONLY_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 # vLLM's CPU attention stores KV blocks of a multiple of this many tokens.
 CPU_BLOCK_MULTIPLE = 32
+# How long a prefill waits for vLLM's KV events to show its blocks resident (they come over
+# their own socket; in practice within milliseconds of the output).
+EVENTS_DELAY_S = 2.0
 
 
 def unavailable_reason() -> str | None:
@@ -398,6 +401,7 @@ class VLLMEngine(BatchingEngine):
         self._environ = {PARENT_ENV: str(os.getpid()), **(cpu_environment(num_threads) if cpu else {})}
         self._stats = EngineStats()
         self._lock = threading.Lock()
+        self._events_applied = threading.Condition(self._lock)  # the events thread applied a batch
         self._pending: dict[str, Future] = {}
         self._closed = False
         self._translator = KVEventTranslator(self.block_size)
@@ -484,10 +488,11 @@ class VLLMEngine(BatchingEngine):
         return done
 
     def close(self) -> None:
-        with self._lock:
+        with self._events_applied:
             if self._closed:
                 return
             self._closed = True
+            self._events_applied.notify_all()
             pending = list(self._pending.values())
         for future in pending:
             if not future.done() and future.set_running_or_notify_cancel():
@@ -565,12 +570,24 @@ class VLLMEngine(BatchingEngine):
             self._shadow.touch(block_hashes(ids, self.block_size))
         cached = final.num_cached_tokens or 0
         if prefill_hashes is not None:
+            # vLLM's KV events come over their own socket, after or before the output: a handle
+            # promises its blocks resident, so cache_state() shows them once it is returned.
+            await asyncio.to_thread(self._await_resident, prefill_hashes)
             result = PrefillHandle(self.name, len(ids), cached, self.block_size, prefill_hashes)
         else:
             result = completion(request_id, ids, final.outputs[0], cached,
                                 vllm_params.structured_outputs is not None)
         if future.set_running_or_notify_cancel():
             future.set_result(result)
+
+    def _await_resident(self, hashes: tuple[int, ...], timeout: float = EVENTS_DELAY_S) -> None:
+        """Wait until the KV events show ``hashes`` resident, at most ``timeout`` seconds (blocks
+        stored before the events were followed, or evicted at once, never show)."""
+        if self._events_endpoint is None:
+            return
+        wanted = set(hashes)
+        with self._events_applied:
+            self._events_applied.wait_for(lambda: self._closed or wanted <= self._translator.resident(), timeout)
 
     def _finish(self, request_id: str, counter: str) -> None:
         with self._lock:
@@ -637,11 +654,12 @@ class VLLMEngine(BatchingEngine):
                     continue
                 _topic, _seq, payload = socket.recv_multipart()
                 batch = decoder.decode(payload)
-                with self._lock:
+                with self._events_applied:
                     for event in batch.events:
                         self._translator.apply(event)
                         if type(event).__name__ == "BlockRemoved":  # vLLM evicts cached blocks only when it needs room
                             self._stats.evicted_blocks += len(event.block_hashes)
+                    self._events_applied.notify_all()
         except Exception:  # noqa: BLE001 - the cache state falls back to what is already known
             logger.exception("engine %s: following vLLM's KV-cache events failed", self.name)
         finally:
