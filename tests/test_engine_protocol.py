@@ -306,12 +306,21 @@ def test_chunked_prefill_equals_alone(backend, chunked_engine, reference):
     assert _tokens(_alone(chunked_engine, PROMPTS)) == _tokens(reference)
 
 
+# A near-tie in bfloat16 (8 bits of mantissa): a gap between two logits of at most this much of
+# the largest one's magnitude, about 4 of its ulps. Where transformers and the engine diverged
+# (Intel AVX-512/AMX, its own and the baseline kernels) the gap was 0, 0 and 0.0093 of it; the
+# top two logits of `tiny`'s steps are 0.005-0.28 of it apart.
+BF16_TIE = 2 ** -6
+
+
 @pytest.mark.bits
 def test_matches_transformers_greedy(backend, tiny_model_dir, reference):
-    """float32 (torch, and vLLM's CPU build): the same tokens as transformers' generate, bit for bit. bfloat16: transformers'
-    own bf16 products round differently with the number of rows (its CPU GEMM is not
-    batch-invariant, ours is), so equality cannot be promised; the first token must agree and
-    at least 3 of the 4 sequences (measured: 4 of 4 here, and 9 of 10 over all PROMPTS)."""
+    """float32 (torch, and vLLM's CPU build): the same tokens as transformers' generate, bit for
+    bit. bfloat16: transformers' own bf16 products round differently with the number of rows and
+    with the CPU's kernels (its CPU GEMM is not batch-invariant, ours is), so equality cannot be
+    promised; what is asserted is that every sequence follows transformers' until a step where
+    transformers' own logits hold our token within bfloat16 rounding of its top one (a near-tie,
+    on any CPU), and never a token it ranks clearly lower."""
     if backend == "llamacpp":
         pytest.skip("agreement with transformers is only promised by the float32 engines (torch, vLLM)")
     import torch
@@ -325,18 +334,25 @@ def test_matches_transformers_greedy(backend, tiny_model_dir, reference):
                                              attn_implementation="eager" if baseline_bf16 else None)
     model.eval()
     n = GREEDY.max_tokens
-    same = 0
     for i in (1, 3, 6, 8):
-        ids = torch.tensor([reference[i].prompt_token_ids])
+        prompt, ours = reference[i].prompt_token_ids, reference[i].token_ids
+        ids = torch.tensor([prompt])
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=4)
         expected = out[0, ids.shape[1]:].tolist()
         if dtype == torch.float32:
-            assert expected == reference[i].token_ids, f"prompt {i}"
-        assert expected[0] == reference[i].token_ids[0], f"prompt {i}: first token"
-        same += expected == reference[i].token_ids
-    assert same >= 3, f"only {same} of 4 sequences equal transformers' in {dtype}"
+            assert expected == ours, f"prompt {i}"
+            continue
+        k = next((j for j, (a, b) in enumerate(zip(expected, ours)) if a != b), None)
+        if k is None:
+            continue
+        with torch.inference_mode():  # transformers' logits after the tokens both agree on
+            logits = model(torch.tensor([prompt + ours[:k]])).logits[0, -1].float()
+        gap = (logits.max() - logits[ours[k]]).item()
+        assert gap <= BF16_TIE * logits.abs().max().item(), (
+            f"prompt {i}, token {k}: ours {ours[k]} is {gap:.4f} below transformers' top logit "
+            f"{logits.max().item():.4f} ({expected[k]}): more than bfloat16 rounding")
 
 
 # --- prefix-cache accounting ---------------------------------------------------------------
