@@ -6,9 +6,9 @@ ways around that, chosen per dtype on the machine at hand:
 
 * **Any row count (from a floor)**: oneDNN's kernel for a weight reordered once into its
   blocked layout gives every row the same bits for any row count on some CPUs, 1 included,
-  or from a few rows on others (in float32 from 2 rows (Intel AVX-512 in float32: a lone row runs a
-  matrix-vector kernel that sums K in another order). :func:`min_rows` probes the floor once
-  per process and dtype; calls with fewer rows are padded to it. A lone decode row then costs
+  and from a few rows on others (from 2 rows in float32 on Intel AVX-512 CPUs, where a lone
+  row runs a matrix-vector kernel that sums K in another order). :func:`min_rows` probes the
+  floor once per process and dtype; calls with fewer rows are padded to it. A lone decode row then costs
   about a matrix-vector product's time.
 * **Fixed-size calls**: where no small floor exists (bfloat16 on CPUs with AMX, whose kernels
   tile the rows and the K sum by the row count), every call has exactly ``BLOCK_ROWS`` rows
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 # Rows per call of a fixed-size product: large enough for AMX and AVX-512 kernels to run at
 # full speed on prefill steps, small enough that a padded decode step stays cheap
-# (docs/engine.md, "Batch invariance").
+# (docs/engine.md, "How the forward pass avoids it").
 BLOCK_ROWS = 64
 
 # Attention's query rows per KV head are padded to a multiple of this (engines/backends.py):
@@ -115,15 +115,20 @@ class Linear:
     fixed-size calls); ``packed``, whether oneDNN runs them. The unprepared weight is not kept.
     """
 
-    __slots__ = ("weight", "bias", "packed", "kernel", "min_rows")
+    __slots__ = ("weight", "bias", "kernel", "min_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True):
         self.bias = bias
-        self.packed = pack and _onednn_usable(weight)
-        self.weight = _reorder(weight) if self.packed else weight
-        floor = min_rows(weight.dtype) if self.packed else None
-        self.kernel: Kernel = "blocks" if not self.packed else "onednn" if floor is not None else "onednn-blocks"
+        packed = pack and _onednn_usable(weight)
+        self.weight = _reorder(weight) if packed else weight
+        floor = min_rows(weight.dtype) if packed else None
+        self.kernel: Kernel = "blocks" if not packed else "onednn" if floor is not None else "onednn-blocks"
         self.min_rows = floor or BLOCK_ROWS
+
+    @property
+    def packed(self) -> bool:
+        """Whether oneDNN runs the products (on the weight in its blocked layout)."""
+        return self.kernel != "blocks"
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
