@@ -314,6 +314,16 @@ def test_prefill_profile_splits_the_time_by_kind(tmp_path, tiny_model_dir, capsy
     assert "| 96 |" in capsys.readouterr().out
 
 
+def test_cpu_products_times_every_way_at_every_row_count(capsys):
+    import cpu_products
+
+    cpu_products.main(["--threads", "1", "--rows", "1", "3", "--blocks", "8"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["rows", "fp32", "fp32-floor", "bf16", "bf16-b8"]
+    assert [line.split()[0] for line in lines[2:]] == ["1", "3"]
+    assert all(float(ms) > 0 for line in lines[2:] for ms in line.split()[1:])
+
+
 def test_engine_startup_times_the_engines_phases_to_its_first_token(daskllm_cache, capsys):
     """bench/engine_startup.py's per-process start (``--child``), in this process: the engine's
     load phases and the time to the first token, and the table of a cold and a warm start."""
