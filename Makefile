@@ -81,12 +81,13 @@ test-fast: $(STAMP)
 
 # The tests that compare bits (marker bits, tests/test_markers.py) of the fast tier again, with
 # torch's and numpy's kernels for the x86-64 baseline (no AVX) in place of the ones they pick for
-# this CPU: a test asserting bits that depend on the kind of CPU passes in one run and fails in
-# the other, so .ci/run runs both. The variables only lower what a library uses (safe on any
-# x86-64 CPU); MKL's and OpenBLAS's kernels stay the machine's (OPENBLAS_CORETYPE is left to it).
-# scripts/cpu_kernels.py first checks they took effect. The llama.cpp engine's runs are left out:
-# its kernels are ggml's, which the variables do not change.
-BASELINE_CPU := ATEN_CPU_CAPABILITY=default NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
+# this CPU, and oneDNN's held to AVX2 (no AVX-512, so no bfloat16 kernels: the engine's products
+# take the path of an AVX2-only CPU): a test asserting bits that depend on the kind of CPU passes
+# in one run and fails in the other, so .ci/run runs both. The variables only lower what a
+# library uses (safe on any x86-64 CPU); MKL's and OpenBLAS's kernels stay the machine's
+# (OPENBLAS_CORETYPE is left to it). scripts/cpu_kernels.py first checks they took effect. The
+# llama.cpp engine's runs are left out: its kernels are ggml's, which the variables do not change.
+BASELINE_CPU := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2 NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
 test-baseline-cpu: $(STAMP)
 	$(BASELINE_CPU) $(PY) scripts/cpu_kernels.py --baseline
 	$(BASELINE_CPU) $(PY) -m pytest -q -n 2 -m "bits and not slow" -k "not llamacpp"

@@ -1,18 +1,23 @@
-"""What batch invariance costs on this CPU: one smollm2 layer's four projections, by the ways of
-``daskllm.engines.invariant`` and the unprotected kernels beside them.
+"""What batch invariance costs on this CPU: one smollm2 layer's four projections, by the paths
+of ``daskllm.engines.invariant`` and the unprotected kernels beside them.
 
     python bench/cpu_products.py                 # 2 threads, rows 1 4 16 64 256 1024
     python bench/cpu_products.py --threads 1 --rows 1 2048
+    ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_products.py   # as on a CPU with AVX2 and no AVX-512
 
+It first prints the path the engine takes for each dtype on this CPU (``invariant.path_for``).
 Each cell is the sum over the layer's products (QKV 576->960, output 576->576, gate/up
 576->3072, down 1536->576) of the best of 7 timed calls (after 3 warm-up calls), in ms:
 
-* ``fp32``: oneDNN on a prepared float32 weight, at the call's row count;
-* ``fp32-floor``: the same with rows padded to ``invariant.min_rows(float32)`` (the engine's way
-  where the probe found a floor);
-* ``bf16``: oneDNN on a prepared bfloat16 weight (AMX where the CPU has it), at the call's row
-  count: not batch-invariant on AMX;
-* ``bf16-bN``: the same in calls of exactly N rows (the engine uses N = ``BLOCK_ROWS``).
+* ``fp32``: oneDNN on a prepared float32 weight, at the call's row count (not batch-invariant
+  where the float32 floor is above 1);
+* ``fp32-path``: the engine's float32 path (``invariant.Linear``);
+* ``bf16``: bfloat16 at the call's row count, not batch-invariant: oneDNN on a prepared weight
+  (AMX where the CPU has it), or ``F.linear`` where oneDNN has no bfloat16 kernels;
+* ``bf16-path``: the engine's bfloat16 path (widened to float32's where oneDNN has no
+  bfloat16 kernels);
+* ``bf16-bN``: the unprotected bfloat16 product in calls of exactly N rows (the engine's path on
+  AMX, with N = ``BLOCK_ROWS``).
 """
 
 from __future__ import annotations
@@ -37,8 +42,13 @@ def in_blocks(product, rows: int):
     return run
 
 
-def padded_to(product, floor: int):
-    return lambda x: product(F.pad(x, (0, 0, 0, max(0, floor - x.shape[0]))))[:x.shape[0]]
+def unprotected(weight: torch.Tensor):
+    """The product of ``weight``'s dtype at the call's row count: oneDNN's where it computes
+    that dtype here, else ``F.linear``'s."""
+    if invariant.path_for(weight.dtype).compute != weight.dtype:
+        return lambda x: F.linear(x, weight)
+    packed = invariant._reorder(weight)
+    return lambda x: invariant._onednn_product(x, packed, None)
 
 
 def best_ms(product, x) -> float:
@@ -60,23 +70,21 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     weights = [torch.randn(n, k) * 0.1 for k, n in SHAPES]
-    fp32 = [invariant.Linear(w) for w in weights]
-    bf16 = [invariant.Linear(w.bfloat16()) for w in weights]
-    onednn = lambda linear: (lambda x: invariant._onednn_product(x, linear.weight, None))  # noqa: E731
-    floor = invariant.min_rows(torch.float32) or invariant.BLOCK_ROWS
-    ways = {"fp32": (fp32, torch.float32, onednn),
-            "fp32-floor": (fp32, torch.float32, lambda lin: padded_to(onednn(lin), floor)),
-            "bf16": (bf16, torch.bfloat16, onednn)}
+    bf16 = [w.bfloat16() for w in weights]
+    ways = {"fp32": ([unprotected(w) for w in weights], torch.float32),
+            "fp32-path": ([invariant.Linear(w) for w in weights], torch.float32),
+            "bf16": ([unprotected(w) for w in bf16], torch.bfloat16),
+            "bf16-path": ([invariant.Linear(w) for w in bf16], torch.bfloat16)}
     for rows in args.blocks:
-        ways[f"bf16-b{rows}"] = (bf16, torch.bfloat16, lambda lin, rows=rows: in_blocks(onednn(lin), rows))
-    print(f"{args.threads} threads; float32 floor {invariant.min_rows(torch.float32)}, "
-          f"bfloat16 floor {invariant.min_rows(torch.bfloat16)} (None: fixed-size calls)")
+        ways[f"bf16-b{rows}"] = ([in_blocks(product, rows) for product in ways["bf16"][0]], torch.bfloat16)
+    print(f"{args.threads} threads; {invariant.path_for(torch.float32)}; {invariant.path_for(torch.bfloat16)}")
     print("rows " + " ".join(f"{name:>11}" for name in ways))
     with torch.inference_mode():
         for m in args.rows:
-            cells = [sum(best_ms(way(lin), torch.randn(m, k).to(dtype)) for lin, (k, _) in zip(linears, SHAPES))
-                     for linears, dtype, way in ways.values()]
+            cells = [sum(best_ms(product, torch.randn(m, k).to(dtype)) for product, (k, _) in zip(products, SHAPES))
+                     for products, dtype in ways.values()]
             print(f"{m:>4} " + " ".join(f"{ms:>11.3f}" for ms in cells))
+
 
 if __name__ == "__main__":
     main()

@@ -2,9 +2,12 @@
 
     python scripts/cpu_kernels.py              # print them
     python scripts/cpu_kernels.py --baseline   # also exit 1 unless torch's and numpy's are the
-                                               # x86-64 baseline ones (make test-baseline-cpu)
+                                               # x86-64 baseline ones and oneDNN's at most AVX2
+                                               # (make test-baseline-cpu)
 
 * torch: the capability of its ATen kernels (``ATEN_CPU_CAPABILITY=default``: no AVX).
+* oneDNN, torch's kernels for the engine's products: the instruction set it runs, as
+  ``ONEDNN_VERBOSE`` reports it (``ONEDNN_MAX_CPU_ISA=AVX2``: no AVX-512, no bfloat16 kernels).
 * MKL, torch's BLAS: its numerical-reproducibility branch as ``MKL_VERBOSE`` reports it on a
   product (``OFF``: the kernels MKL picks for the CPU; ``MKL_CBWR`` sets another).
 * numpy: the SIMD targets it dispatches to beyond its x86-64-v2 baseline
@@ -30,6 +33,20 @@ def mkl_branch() -> str:
     return found.group(1) if found else "no MKL"
 
 
+# oneDNN's names for the instruction sets up to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2 on any x86-64 CPU)
+UP_TO_AVX2 = ("Intel SSE4.1", "Intel AVX", "Intel AVX2")
+
+
+def onednn_isa() -> str:
+    """The instruction set oneDNN runs in a fresh process (ONEDNN_VERBOSE writes it to stdout)."""
+    probe = ("import torch; from daskllm.engines import invariant; "
+             "invariant._onednn_product(torch.ones(2, 8), invariant._reorder(torch.ones(8, 8)), None)")
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ONEDNN_VERBOSE": "1"},
+                          capture_output=True, text=True, check=True, timeout=120)
+    found = re.search(r"info,cpu,isa:([^\n]+)", done.stdout)
+    return found.group(1).strip() if found else "no oneDNN"
+
+
 def numpy_blas() -> str:
     """numpy's BLAS and the kernels it picked (threadpoolctl reads them from OpenBLAS)."""
     import numpy as np
@@ -47,14 +64,16 @@ def numpy_blas() -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", action="store_true",
-                   help="exit 1 unless torch's ATen kernels and numpy's loops are the baseline ones (no AVX)")
+                   help="exit 1 unless torch's ATen kernels and numpy's loops are the baseline ones (no AVX) "
+                        "and oneDNN's at most AVX2")
     args = p.parse_args(argv)
     import numpy as np
     import torch
     from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
 
     numpy_simd = [t for t in __cpu_dispatch__ if __cpu_features__.get(t)]
-    found = {"torch (ATen)": torch.backends.cpu.get_cpu_capability(), "MKL branch": mkl_branch(),
+    found = {"torch (ATen)": torch.backends.cpu.get_cpu_capability(), "oneDNN": onednn_isa(),
+             "MKL branch": mkl_branch(),
              "numpy SIMD past its baseline": ", ".join(numpy_simd) or "none",
              "numpy's BLAS": numpy_blas()}
     for what, value in found.items():
@@ -62,6 +81,7 @@ def main(argv=None) -> int:
     if not args.baseline:
         return 0
     wrong = [what for what, ok in (("torch (ATen)", found["torch (ATen)"] == "DEFAULT"),
+                                   ("oneDNN", found["oneDNN"] in UP_TO_AVX2),
                                    ("numpy SIMD past its baseline", not numpy_simd)) if not ok]
     if wrong:
         print(f"not the baseline kernels: {', '.join(wrong)} (see the Makefile's test-baseline-cpu)",

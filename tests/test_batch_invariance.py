@@ -5,13 +5,18 @@ matrix product has the same bits whatever other rows share the call. ``invariant
 (the Llama and BERT engines' projections: a weight prepared once for oneDNN on CPU) runs
 oneDNN at any row count from the floor ``min_rows`` probes on this CPU, and in calls of a
 fixed row count where there is no small floor; ``linear`` (its fallback) always runs fixed-size
-calls. All three are checked here, whichever the probe picked. If this fails on a machine, the
+calls; bfloat16 widened to float32's path is what CPUs without oneDNN bfloat16 kernels run.
+All of them are checked here, whichever the probe picked (``make test-baseline-cpu`` runs them
+again with oneDNN held to AVX2). If this fails on a machine, the
 engine is not exact there, even though token-level tests rarely notice a last-bit difference (a
 random model's top two logits are seldom that close): hence the forward-pass checks at the end,
 which compare logits bit for bit.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -63,24 +68,33 @@ def test_in_blocks_calls_the_product_with_exactly_block_rows():
 
 
 def _onednn_in_blocks(w, b=None):
-    product = Linear(w, b)
-    if not product.packed:
+    path = invariant.path_for(w.dtype)
+    if not path.packed:
         pytest.skip("oneDNN does not run this dtype's products here")
-    product.kernel = "onednn-blocks"
-    return product
+    return Linear(w, b, path=dataclasses.replace(path, kernel="onednn-blocks", min_rows=BLOCK_ROWS))
+
+
+def _widened(w, b=None):
+    """bfloat16 as a CPU without oneDNN bfloat16 kernels runs it (float32's path)."""
+    return Linear(w, b, path=invariant.widened(w.dtype))
 
 
 # The batch-invariant products: fixed-size calls (F.linear), a weight prepared once (oneDNN, at
-# any row count or in fixed-size calls, as this CPU's probe chose), and oneDNN in fixed-size calls.
+# any row count or in fixed-size calls, as this CPU's probe chose), oneDNN in fixed-size calls,
+# and bfloat16 widened to float32's path.
 IMPLS = {
     "blocks": lambda w, b=None: (lambda x: linear(x, w, b)),
     "prepared": lambda w, b=None: Linear(w, b),
     "prepared-blocks": _onednn_in_blocks,
+    "widened": _widened,
 }
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# each way with each dtype it applies to (only bfloat16 is widened), as "impl-dtype"
+CASES = [pytest.param(impl, dtype, id=f"{impl}-{name}") for impl in IMPLS for name, dtype in DTYPES.items()
+         if not (impl == "widened" and dtype == torch.float32)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,dtype", CASES)
 @pytest.mark.parametrize("k,n", SHAPES, ids=[f"{k}x{n}" for k, n in SHAPES])
 def test_linear_rows_are_bitwise_independent_of_row_count(k, n, num_threads, impl, dtype):
     gen = torch.Generator().manual_seed(k * 1000 + n)
@@ -105,12 +119,12 @@ def test_linear_rows_are_bitwise_independent_of_row_count(k, n, num_threads, imp
                             f"{mismatched}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_linear_with_bias_is_batch_invariant(num_threads, impl):
+@pytest.mark.parametrize("impl,dtype", CASES)
+def test_linear_with_bias_is_batch_invariant(num_threads, impl, dtype):
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(MAX_ROWS, 256, generator=gen)
-    w = torch.randn(384, 256, generator=gen) * 0.1
-    b = torch.randn(384, generator=gen)
+    x = torch.randn(MAX_ROWS, 256, generator=gen).to(dtype)
+    w = (torch.randn(384, 256, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(384, generator=gen).to(dtype)
     product = IMPLS[impl](w, b)
     full = product(x)
     bad = [r for r in range(1, MAX_ROWS + 1) if not torch.equal(product(x[:r]), full[:r])]
@@ -128,26 +142,59 @@ def test_prefill_sized_products_are_batch_invariant(num_threads):
     assert not bad
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_linear_matches_f_linear_numerically(impl):
+@pytest.mark.parametrize("impl,dtype", CASES)
+def test_linear_matches_f_linear_numerically(impl, dtype):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 64, generator=gen)
-    w = torch.randn(32, 64, generator=gen)
-    b = torch.randn(32, generator=gen)
-    torch.testing.assert_close(IMPLS[impl](w, b)(x), torch.nn.functional.linear(x, w, b))
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    w = torch.randn(32, 64, generator=gen).to(dtype)
+    b = torch.randn(32, generator=gen).to(dtype)
+    got = IMPLS[impl](w, b)(x)
+    assert got.dtype == dtype
+    # against float64 on the same (rounded) values: both sum exact products, in other orders
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7  # bfloat16: results rounded to 8 bits
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
 
 
-def test_prepared_linear_uses_onednn_on_cpu():
-    """The fast path is the one in use where oneDNN is (else the engine runs fixed-size calls)."""
-    w = torch.randn(32, 64)
-    assert Linear(w).packed == torch.backends.mkldnn.is_available()
+def test_the_path_is_oneDNN_where_it_computes_the_dtype():
+    """The fast path is the one in use where oneDNN is; bfloat16 without oneDNN's bfloat16
+    kernels (an AVX2-only CPU, or ONEDNN_MAX_CPU_ISA=AVX2) is widened to float32's path."""
+    onednn = torch.backends.mkldnn.is_available()
+    fp32 = invariant.path_for(torch.float32)
     floor = invariant.min_rows(torch.float32)
-    assert Linear(w).kernel == ("onednn" if floor else "onednn-blocks")
-    assert Linear(w).min_rows == (floor or BLOCK_ROWS)
-    assert Linear(w, pack=False).kernel == "blocks"
-    assert Linear(w.double()).kernel == "blocks"  # float32 and bfloat16 only
-    assert Linear(w.bfloat16()).packed == (torch.backends.mkldnn.is_available()
-                                          and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert (fp32.packed, fp32.compute) == (onednn, torch.float32)
+    assert (fp32.kernel, fp32.min_rows) == (("onednn", floor) if floor else ("onednn-blocks", BLOCK_ROWS))
+    bf16 = invariant.path_for(torch.bfloat16)
+    if onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert bf16.compute == torch.bfloat16 and bf16.packed
+    else:
+        assert bf16 == invariant.widened(torch.bfloat16)
+        assert "widened to float32" in str(bf16)
+    assert invariant.path_for(torch.float64) == invariant.unpacked(torch.float64)  # float32 and bfloat16 only
+    w = torch.randn(32, 64)
+    assert Linear(w).path == fp32 and Linear(w.bfloat16()).path == bf16
+    widened = Linear(w.bfloat16(), path=invariant.widened(torch.bfloat16))
+    assert widened.path.compute == torch.float32 and widened(torch.randn(3, 64).bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float32 products given a torch.bfloat16 weight"):
+        Linear(w.bfloat16(), path=fp32)
+
+
+def test_the_path_is_chosen_once_per_process_and_logged(caplog, monkeypatch):
+    probes = []
+    monkeypatch.setattr(invariant, "min_rows", lambda dtype: probes.append(dtype) or 2)
+    monkeypatch.setattr(invariant, "_onednn_computes", lambda dtype: dtype == torch.float32)
+    path_for = invariant.path_for.__wrapped__
+    monkeypatch.setattr(invariant, "path_for", functools.cache(path_for))
+    with caplog.at_level("INFO", logger="daskllm.engines.invariant"):
+        for _ in range(3):
+            bf16 = invariant.path_for(torch.bfloat16)
+            invariant.path_for(torch.float32)
+    assert bf16 == invariant.Path(torch.bfloat16, torch.float32, "onednn", 2)
+    assert probes == [torch.float32]
+    assert [r.getMessage() for r in caplog.records] == [
+        "batch-invariant float32 products: oneDNN on prepared weights, calls of at least 2 rows",
+        "batch-invariant bfloat16 products: oneDNN on prepared weights, calls of at least 2 rows "
+        "(widened to float32: oneDNN has no bfloat16 kernels on this CPU)"]
 
 
 def test_the_probe_finds_the_row_count_a_kernel_is_invariant_from(monkeypatch):

@@ -8,6 +8,7 @@ report every system, exact outputs and sane ratios.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import subprocess
@@ -314,12 +315,24 @@ def test_prefill_profile_splits_the_time_by_kind(tmp_path, tiny_model_dir, capsy
     assert "| 96 |" in capsys.readouterr().out
 
 
-def test_cpu_products_times_every_way_at_every_row_count(capsys):
-    import cpu_products
+@pytest.mark.parametrize("isa", [None, "AVX2"], ids=["this-cpu", "onednn-avx2"])
+def test_cpu_products_times_every_path_at_every_row_count(isa, capsys):
+    """bench/cpu_products.py names the path it measured for each dtype and times every way; with
+    oneDNN held to AVX2 (as on a CPU without AVX-512) bfloat16 runs widened to float32's path."""
+    args = ["--threads", "1", "--rows", "1", "3", "--blocks", "8"]
+    if isa is None:
+        import cpu_products
 
-    cpu_products.main(["--threads", "1", "--rows", "1", "3", "--blocks", "8"])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["rows", "fp32", "fp32-floor", "bf16", "bf16-b8"]
+        cpu_products.main(args)
+        out = capsys.readouterr().out
+    else:
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_products.py"), *args], check=True,
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa}).stdout
+        assert "bfloat16 products: oneDNN on prepared weights" in out and "(widened to float32" in out
+    lines = out.splitlines()
+    assert "float32 products: " in lines[0] and "bfloat16 products: " in lines[0]
+    assert lines[1].split() == ["rows", "fp32", "fp32-path", "bf16", "bf16-path", "bf16-b8"]
     assert [line.split()[0] for line in lines[2:]] == ["1", "3"]
     assert all(float(ms) > 0 for line in lines[2:] for ms in line.split()[1:])
 
