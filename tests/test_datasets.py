@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import sys
-
 import pandas as pd
 import pytest
 
@@ -92,11 +88,20 @@ def test_real_sets_load_through_the_same_call():
 
 
 def test_cli_lists_and_shows_datasets(stdlib_corpus):
-    daskllm = pathlib.Path(sys.executable).parent / "daskllm"
-    listing = subprocess.run([daskllm, "datasets", "list"], capture_output=True, text=True, timeout=120, check=True)
-    assert "stdlib-modules" in listing.stdout and "hotpotqa" in listing.stdout
-    shown = subprocess.run([daskllm, "datasets", "show", "stdlib-howto", "-n", "2"], capture_output=True, text=True,
-                           timeout=120, check=True).stdout
-    assert "How do I read a JSON file into a dict?" in shown and "argparse" in shown and "SHA-256" not in shown
-    bad = subprocess.run([daskllm, "datasets", "show", "squad"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "unknown dataset 'squad'" in bad.stderr and "Traceback" not in bad.stderr
+    # the command's entry point in this process, by click's runner (test_docs runs the program)
+    from click.testing import CliRunner
+
+    from daskllm.cli import main
+
+    def daskllm(*args):
+        return CliRunner().invoke(main, ["datasets", *args], prog_name="daskllm")
+
+    listing = daskllm("list")
+    assert listing.exit_code == 0 and "stdlib-modules" in listing.stdout and "hotpotqa" in listing.stdout
+    shown = daskllm("show", "stdlib-howto", "-n", "2")
+    assert shown.exit_code == 0
+    assert "How do I read a JSON file into a dict?" in shown.stdout and "argparse" in shown.stdout
+    assert "SHA-256" not in shown.stdout
+    bad = daskllm("show", "squad")
+    assert bad.exit_code == 1 and "unknown dataset 'squad'" in bad.stderr and bad.exception is not None
+    assert isinstance(bad.exception, SystemExit)  # a ClickException: a message, no traceback

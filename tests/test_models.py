@@ -321,11 +321,14 @@ def test_a_missing_package_says_what_to_install(tmp_path, monkeypatch, missing, 
 
 
 def test_models_list_names_source_license_and_size(smollm2_model_dir):
-    import subprocess
-    import sys
+    # the command's entry point in this process, by click's runner (test_docs runs the program)
+    from click.testing import CliRunner
 
-    listing = subprocess.run([pathlib.Path(sys.executable).parent / "daskllm", "models", "list"],
-                             capture_output=True, text=True, timeout=120, check=True).stdout
+    from daskllm.cli import main
+
+    done = CliRunner().invoke(main, ["models", "list"], prog_name="daskllm")
+    assert done.exit_code == 0, done.output
+    listing = done.stdout
     smollm2 = listing[listing.index("smollm2"):]
     assert "134.5M params" in smollm2 and "MB on disk" in smollm2
     assert "SmolLM2-135M-Instruct" in smollm2 and "Apache-2.0" in smollm2

@@ -10,8 +10,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -94,15 +92,21 @@ def test_switched_off_there_is_no_store(tmp_path):
 
 
 def test_daskllm_cache_info_and_clear_through_the_cli(tmp_path):
-    env = {**os.environ, "DASK_DASKLLM__RESULT_STORE__PATH": str(tmp_path / "store")}
+    # the command's entry point in this process, by click's runner (test_docs runs the program)
+    from click.testing import CliRunner
+
+    from daskllm.cli import main
+
     store = ResultStore(tmp_path / "store", 10**9)
     for i in range(3):
         store.put(decode_key("m", [i], SamplingParams()), StoredCompletion(str(i), (i,), "length"))
     store.close()
 
     def cli(*args) -> str:
-        return subprocess.run([sys.executable, "-m", "daskllm.cli", "cache", *args], env=env, capture_output=True,
-                              text=True, check=True, timeout=120).stdout
+        with dask.config.set({"daskllm.result-store.path": str(tmp_path / "store")}):
+            done = CliRunner().invoke(main, ["cache", *args], prog_name="daskllm")
+        assert done.exit_code == 0, done.output
+        return done.stdout
 
     info = cli("info")
     assert f"location: {tmp_path / 'store'}" in info
