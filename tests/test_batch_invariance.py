@@ -191,6 +191,7 @@ def test_the_path_is_chosen_once_per_process_and_logged(caplog, monkeypatch):
             invariant.path_for(torch.float32)
     assert bf16 == invariant.Path(torch.bfloat16, torch.float32, "onednn", 2)
     assert probes == [torch.float32]
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
     assert [r.getMessage() for r in caplog.records] == [
         "batch-invariant float32 products: oneDNN on prepared weights, calls of at least 2 rows",
         "batch-invariant bfloat16 products: oneDNN on prepared weights, calls of at least 2 rows "

@@ -156,7 +156,8 @@ def widened(dtype: torch.dtype) -> Path:
 
 @functools.cache
 def path_for(dtype: torch.dtype) -> Path:
-    """The way products in ``dtype`` run on this CPU: probed once per process, and logged."""
+    """The way products in ``dtype`` run on this CPU: probed once per process, and logged (at
+    INFO; a warning where bfloat16 is widened)."""
     if _onednn_computes(dtype):
         floor = min_rows(dtype)
         chosen = Path(dtype, dtype, "onednn" if floor else "onednn-blocks", floor or BLOCK_ROWS)
@@ -164,7 +165,8 @@ def path_for(dtype: torch.dtype) -> Path:
         chosen = widened(dtype)
     else:
         chosen = unpacked(dtype)
-    logger.info("batch-invariant %s", chosen)
+    # a warning where bfloat16 is widened: its weights then take float32's memory for no speed
+    logger.log(logging.WARNING if chosen.compute != dtype else logging.INFO, "batch-invariant %s", chosen)
     return chosen
 
 
