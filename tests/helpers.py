@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
 import socket
 import subprocess
 import time
@@ -45,6 +47,19 @@ def wait_for(condition: Callable[[], object], timeout: float, *procs: subprocess
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(interval)
     return value
+
+
+def scheduler_address(scheduler_file: pathlib.Path, scheduler: subprocess.Popen, timeout: float = 60) -> str:
+    """The address a ``dask scheduler --scheduler-file`` wrote, once the file is whole (it exists
+    for a moment before its JSON is written); fails at the deadline or if the scheduler exits."""
+
+    def address():
+        try:
+            return json.loads(scheduler_file.read_text())["address"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return None
+
+    return wait_for(address, timeout, scheduler, what=f"a scheduler address in {scheduler_file}")
 
 
 # --- the forward pass, bit for bit -----------------------------------------------------------

@@ -6,7 +6,6 @@ import json
 import pathlib
 import subprocess
 import sys
-import time
 
 import pytest
 from distributed import Client
@@ -14,6 +13,7 @@ from distributed import Client
 from daskllm.engines import EngineSpec, SamplingParams
 from daskllm.worker import embed
 from daskllm.worker import engine_stats, generate, resident_models
+from helpers import scheduler_address
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
@@ -29,10 +29,7 @@ def scheduler_file(tmp_path_factory, tiny_model_dir):
     proc = subprocess.Popen([BIN / "dask", "scheduler", "--scheduler-file", path, "--port", "0", "--no-dashboard",
                              "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while not path.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "dask scheduler did not start"
-            time.sleep(0.2)
+        scheduler_address(path, proc)
         yield path
     finally:
         proc.terminate()

@@ -23,7 +23,7 @@ from daskllm.runtime.submit import plan as lowered
 from daskllm.worker.results import RESULTS
 from daskllm.runtime.view import ModelNotServedError
 from daskllm.worker import EngineHost, engine_stats, reset_prefix_caches, resident_models
-from helpers import cold_start, set_policy
+from helpers import cold_start, scheduler_address, set_policy
 
 SYSTEMS = [f"System prompt {n}: you are assistant number {n}. Answer in one short sentence and cite the module. " * 3
            for n in range(3)]
@@ -181,8 +181,7 @@ def test_scheduler_preload_with_cli_workers(tmp_path, tiny_model_dir):
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = None
     try:
-        poll_for(scheduler_file.exists, timeout=60)
-        address = json.loads(scheduler_file.read_text())["address"]
+        address = scheduler_address(scheduler_file, scheduler)
         worker = subprocess.Popen([bin_dir / "dask", "worker", address, "--nthreads", "4", "--no-dashboard",
                                    "--preload", repo / "plugins" / "worker.py", "--daskllm-model", "tiny"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

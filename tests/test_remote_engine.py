@@ -38,7 +38,7 @@ from daskllm.engines.remote import (
     retry_after,
     retryable,
 )
-from helpers import free_port
+from helpers import free_port, scheduler_address
 
 SERVE_DEADLINE = 180  # seconds for `daskllm serve` to start its cluster and answer
 NOWHERE = "http://127.0.0.1:1/v1"  # port 1: connections are refused at once
@@ -346,8 +346,7 @@ def test_a_cli_worker_holds_the_model_remotely(server, local, tmp_path):
         processes = [subprocess.Popen([bin_dir / "dask", "scheduler", "--scheduler-file", scheduler_file, "--port",
                                        "0", "--no-dashboard", "--host", "127.0.0.1"], stdout=log, stderr=log)]
         try:
-            _wait_for(scheduler_file.exists, timeout=60)
-            address = json.loads(scheduler_file.read_text())["address"]
+            address = scheduler_address(scheduler_file, processes[0])
             processes.append(subprocess.Popen(
                 [bin_dir / "dask", "worker", address, "--nthreads", "4", "--no-dashboard", "--preload",
                  "daskllm.preload", "--daskllm-model", "tiny", "--daskllm-backend", "openai",
