@@ -198,8 +198,16 @@ def compute_timed(client, node):
     return value, spans
 
 
+def first_chunks(text: str, final: bool) -> list[str]:
+    """The first ten of ``chunks``: items early in a long decode."""
+    return chunks(text, final)[:10]
+
+
 def test_first_consumer_starts_before_the_decode_ends(client):
-    s = stream(max_tokens=96)
+    # a decode (about 4 s) several times longer than an item takes to reach its consumer on a
+    # busy machine (0.6 s quiet; once, beside the whole suite, more than the 1.5 s a 96-token
+    # decode took), whose items all come early, so their calls stay few
+    s = stream(max_tokens=640, split=first_chunks)
     pipeline = daskllm.collect(daskllm.generate(daskllm.prompt("Say {x}:", x=s), max_tokens=4))
     report = daskllm.explain(pipeline, file=open(os.devnull, "w"))
     assert report["pipeline"]["streamed"] == 1
