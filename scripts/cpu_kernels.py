@@ -24,13 +24,18 @@ import subprocess
 import sys
 
 
-def mkl_branch() -> str:
-    """MKL's CNR branch for a product in a fresh process (MKL_VERBOSE writes to its stdout)."""
-    probe = "import torch; torch.ones(2, 2) @ torch.ones(2, 2)"
-    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "MKL_VERBOSE": "1"},
+def _verbose(probe: str, variable: str, pattern: str) -> str | None:
+    """The first group of ``pattern`` in what ``probe`` prints in a fresh process with the
+    library's verbose ``variable`` set (the libraries write to the process's stdout)."""
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, variable: "1"},
                           capture_output=True, text=True, check=True, timeout=120)
-    found = re.search(r"CNR:(\w+)", done.stdout)
-    return found.group(1) if found else "no MKL"
+    found = re.search(pattern, done.stdout)
+    return found.group(1).strip() if found else None
+
+
+def mkl_branch() -> str:
+    """MKL's CNR branch for a product."""
+    return _verbose("import torch; torch.ones(2, 2) @ torch.ones(2, 2)", "MKL_VERBOSE", r"CNR:(\w+)") or "no MKL"
 
 
 # oneDNN's names for the instruction sets up to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2 on any x86-64 CPU)
@@ -38,13 +43,10 @@ UP_TO_AVX2 = ("Intel SSE4.1", "Intel AVX", "Intel AVX2")
 
 
 def onednn_isa() -> str:
-    """The instruction set oneDNN runs in a fresh process (ONEDNN_VERBOSE writes it to stdout)."""
+    """The instruction set oneDNN runs."""
     probe = ("import torch; from daskllm.engines import invariant; "
              "invariant._onednn_product(torch.ones(2, 8), invariant._reorder(torch.ones(8, 8)), None)")
-    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ONEDNN_VERBOSE": "1"},
-                          capture_output=True, text=True, check=True, timeout=120)
-    found = re.search(r"info,cpu,isa:([^\n]+)", done.stdout)
-    return found.group(1).strip() if found else "no oneDNN"
+    return _verbose(probe, "ONEDNN_VERBOSE", r"info,cpu,isa:([^\n]+)") or "no oneDNN"
 
 
 def numpy_blas() -> str:

@@ -24,7 +24,7 @@ AVX-NE-CONVERT. Elsewhere (AVX2-only CPUs, or any CPU under ``ONEDNN_MAX_CPU_ISA
 bfloat16 weight is widened once to float32 and runs float32's way; each call widens its rows
 and rounds the results back to bfloat16. That is what a bfloat16 kernel computes (exact
 products, summed in float32, rounded once), at float32's speed and weight memory: ``F.linear``
-in bfloat16 there falls back to torch's reference loops, 5-60x slower (docs/engine.md).
+in bfloat16 there falls back to torch's reference loops, 4.5-50x slower (docs/engine.md).
 
 ``tests/test_batch_invariance.py`` checks every way on the machine it runs on.
 """
