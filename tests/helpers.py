@@ -49,6 +49,16 @@ def wait_for(condition: Callable[[], object], timeout: float, *procs: subprocess
     return value
 
 
+def daskllm_command(*args: str):
+    """``daskllm ARGS`` through its entry point in this process, by click's test runner (a program
+    per command would spend seconds importing daskllm; test_docs runs the installed program)."""
+    from click.testing import CliRunner
+
+    from daskllm.cli import main
+
+    return CliRunner().invoke(main, list(args), prog_name="daskllm")
+
+
 def scheduler_address(scheduler_file: pathlib.Path, scheduler: subprocess.Popen, timeout: float = 60) -> str:
     """The address a ``dask scheduler --scheduler-file`` wrote, once the file is whole (it exists
     for a moment before its JSON is written); fails at the deadline or if the scheduler exits."""

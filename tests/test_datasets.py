@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from daskllm import datasets
+from helpers import daskllm_command
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +89,8 @@ def test_real_sets_load_through_the_same_call():
 
 
 def test_cli_lists_and_shows_datasets(stdlib_corpus):
-    # the command's entry point in this process, by click's runner (test_docs runs the program)
-    from click.testing import CliRunner
-
-    from daskllm.cli import main
-
     def daskllm(*args):
-        return CliRunner().invoke(main, ["datasets", *args], prog_name="daskllm")
+        return daskllm_command("datasets", *args)
 
     listing = daskllm("list")
     assert listing.exit_code == 0 and "stdlib-modules" in listing.stdout and "hotpotqa" in listing.stdout

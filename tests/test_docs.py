@@ -57,7 +57,7 @@ import pytest
 import yaml
 from collections.abc import Iterator
 
-from helpers import wait_for
+from helpers import daskllm_command, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -430,14 +430,8 @@ def test_the_daskllm_command_is_installed(daskllm_cache):
 
 @pytest.mark.parametrize(("where", "args"), [pytest.param(w, a, id=f"{w} daskllm {' '.join(a)}") for w, a in COMMANDS])
 def test_daskllm_command_exists(where, args, daskllm_cache, monkeypatch):
-    # click's runner calls the command's own entry point in this process (a program per command
-    # would spend seconds importing daskllm for each)
-    from click.testing import CliRunner
-
-    from daskllm.cli import main
-
     monkeypatch.chdir(ROOT)
-    done = CliRunner().invoke(main, [*args, "--help"], prog_name="daskllm")
+    done = daskllm_command(*args, "--help")
     assert done.exit_code == 0, f"{where}: daskllm {' '.join(args)} --help failed:\n{done.output}\n{done.exception!r}"
     options = [a.split("=")[0] for a in args if a.startswith("-")]
     missing = [o for o in options if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", done.output)]

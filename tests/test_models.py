@@ -13,6 +13,7 @@ import pytest
 
 from daskllm import models
 from daskllm.models import RECIPES, ModelNotFoundError, ModelRecipe, model_name, resolve
+from helpers import daskllm_command
 
 
 def _file_digests(directory: pathlib.Path) -> dict[str, str]:
@@ -321,12 +322,7 @@ def test_a_missing_package_says_what_to_install(tmp_path, monkeypatch, missing, 
 
 
 def test_models_list_names_source_license_and_size(smollm2_model_dir):
-    # the command's entry point in this process, by click's runner (test_docs runs the program)
-    from click.testing import CliRunner
-
-    from daskllm.cli import main
-
-    done = CliRunner().invoke(main, ["models", "list"], prog_name="daskllm")
+    done = daskllm_command("models", "list")
     assert done.exit_code == 0, done.output
     listing = done.stdout
     smollm2 = listing[listing.index("smollm2"):]

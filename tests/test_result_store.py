@@ -26,7 +26,7 @@ from daskllm.engines import SamplingParams
 from daskllm.retrieval import ShardedIndex
 from daskllm.worker.store import ResultStore, StoredCompletion, decode_key, embed_key, is_stored, open_store
 
-from helpers import cold_start
+from helpers import cold_start, daskllm_command
 
 TEMPLATE = "Answer in one line. Q: {q}\nA:"
 
@@ -92,11 +92,6 @@ def test_switched_off_there_is_no_store(tmp_path):
 
 
 def test_daskllm_cache_info_and_clear_through_the_cli(tmp_path):
-    # the command's entry point in this process, by click's runner (test_docs runs the program)
-    from click.testing import CliRunner
-
-    from daskllm.cli import main
-
     store = ResultStore(tmp_path / "store", 10**9)
     for i in range(3):
         store.put(decode_key("m", [i], SamplingParams()), StoredCompletion(str(i), (i,), "length"))
@@ -104,7 +99,7 @@ def test_daskllm_cache_info_and_clear_through_the_cli(tmp_path):
 
     def cli(*args) -> str:
         with dask.config.set({"daskllm.result-store.path": str(tmp_path / "store")}):
-            done = CliRunner().invoke(main, ["cache", *args], prog_name="daskllm")
+            done = daskllm_command("cache", *args)
         assert done.exit_code == 0, done.output
         return done.stdout
 
