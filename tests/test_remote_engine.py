@@ -179,10 +179,8 @@ def test_loading_needs_the_tokenizer_not_the_weights(tiny_model_dir, tmp_path):
 
 def test_a_dead_endpoint_fails_after_its_retries(tiny_model_dir):
     with RemoteEngine("tiny", base_url=NOWHERE, max_retries=2, retry_delay=0.01) as engine:
-        started = time.perf_counter()
         with pytest.raises(EndpointUnavailable, match=r"127\.0\.0\.1:1.*after 3 attempt"):
             engine.generate(["hello"])
-        assert time.perf_counter() - started < 10
         stats = engine.stats()
         assert (stats.requests_submitted, stats.requests_failed, stats.running) == (1, 1, 0)
         with pytest.raises(RequestError):
