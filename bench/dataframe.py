@@ -196,7 +196,7 @@ def _kill_a_caller(client, future, after_s: float) -> str | None:
     while time.monotonic() < deadline and not future.done():
         time.sleep(0.5)  # a benchmark's clock, not a synchronization
     for worker, keys in client.processing().items():
-        if any("call_owned" in str(k) for k in keys):
+        if any("run_calls" in str(k) or "call_owned" in str(k) for k in keys):
             os.kill(client.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
             log(f"killed {worker} at {after_s:.0f} s")
             return worker

@@ -111,7 +111,7 @@ def test_usage_counts_each_row_once_after_a_worker_is_killed_mid_job(client):
     def disturbed(client, job):
         future = client.compute(job)
         victims: list = []
-        poll_for(lambda: victims.append(running_on(client, "call_owned")) or victims[-1] is not None, timeout=120)
+        poll_for(lambda: victims.append(running_on(client, "run_calls")) or victims[-1] is not None, timeout=120)
         kill(client, victims[-1])
         return future.result(timeout=240)
 

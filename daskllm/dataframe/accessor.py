@@ -3,6 +3,8 @@ render, distinct, call and lookup steps (see the package docstring)."""
 
 from __future__ import annotations
 
+import functools
+
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -14,7 +16,8 @@ from daskllm.budget import Budget
 from daskllm.dataframe import cascade as cascade_
 from daskllm.dataframe.calls import call, summarize_chunk, summarize_parts
 from daskllm.dataframe.cascade import Cascade
-from daskllm.dataframe.dedupe import plan
+from daskllm.dataframe.dedupe import STRATEGIES, plan
+from daskllm.dataframe.job import Member, TableJob
 from daskllm.dataframe.estimate import TableEstimate, estimate
 from daskllm.dataframe import schema as types
 from daskllm.dataframe.cells import check_nulls
@@ -46,7 +49,7 @@ class LLMAccessor:
 
     def _render(self, template: str, slots: tuple, nulls: str):
         """Each row's prompt (its dedupe key), or why it has none (cells: the null and type rules)."""
-        return self._ddf.map_partitions(render, template, slots, check_nulls(nulls), meta=RENDERED)
+        return _render(self._ddf, template, slots, check_nulls(nulls))
 
     def _results(self, rendered, op: Op, slots: tuple, on_error: str, dtype=None, dedupe: str = "auto"):
         """Per row (aligned with ``rendered``, the rows' keys): value (of ``dtype``, else objects)
@@ -64,6 +67,12 @@ class LLMAccessor:
 
     def _with(self, results, out: str, on_error: str, dtype=None):
         """``out`` (and ``<out>_error``) assigned; ``dtype`` converts a value column of objects."""
+        return self._ddf.assign(**self._columns(results, out, on_error, dtype))
+
+    @staticmethod
+    def _columns(results, out: str, on_error: str, dtype=None) -> dict:
+        """``out`` (and ``<out>_error``) from an operator's results; ``dtype`` converts a value
+        column of objects."""
         value = results["value"]
         if isinstance(dtype, pd.ArrowDtype):  # parsed schema answers: their Arrow type, or JSON text
             value = value.map_partitions(as_arrow, dtype, meta=pd.Series([], dtype=dtype, name="value"))
@@ -72,7 +81,31 @@ class LLMAccessor:
         assigned = {out: value}
         if on_error == "null":
             assigned[f"{out}_error"] = results["error"]
-        return self._ddf.assign(**assigned)
+        return assigned
+
+    def _llm(self, op: Op, template: str, slots: tuple, nulls: str, on_error: str, dtype, dedupe: str, *,
+             columns=None, mask=None, made: tuple = ()):
+        """An LLM operator's output frame: ``columns`` (its results -> the columns it assigns)
+        assigned, or the rows ``mask`` (its results -> a boolean series) keeps. With
+        ``dedupe="auto"`` its calls are planned with the rest of its table job
+        (:mod:`daskllm.dataframe.job`): it joins the job of the frame it is applied to where it
+        reads none of that job's outputs."""
+        if on_error not in ("raise", "null"):
+            raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
+        if dedupe not in STRATEGIES:
+            raise ValueError(f"dedupe must be one of {STRATEGIES}, got {dedupe!r}")
+        if dedupe != "auto":
+            results = self._results(self._render(template, slots, nulls), op, slots, on_error, dtype, dedupe)
+            return self._ddf.assign(**columns(results)) if mask is None else self._ddf[mask(results)]
+        member = Member(op, slots, functools.partial(_render, template=template, slots=slots, nulls=check_nulls(nulls)),
+                        on_error, dtype, columns, mask, made)
+        job = getattr(self._ddf, JOB, None)
+        job = TableJob(job.base, job.members + (member,)) if job is not None and job.joins(slots) \
+            else TableJob(self._ddf, (member,))
+        out = job.frame()
+        if mask is None:  # after a filter, the next operator's rows depend on this job's answers
+            object.__setattr__(out, JOB, job)
+        return out
 
     @staticmethod
     def _sampling(max_tokens, temperature=0.0, seed=None, stop=(), ignore_eos=False,
@@ -113,11 +146,14 @@ class LLMAccessor:
         op = Op("generate", model, "map", template,
                 self._sampling(max_tokens, temperature, seed, stop, ignore_eos, structured),
                 budget=budget, chat=self._chat(model, chat))
-        rendered = self._render(template, slots, nulls)  # a null field: a null result (nulls="skip") or a row error
+        # A null field: a null result (nulls="skip") or a row error.
         if schema is None and choices is None:
-            return self._with(self._results(rendered, op, slots, on_error, types.TEXT, dedupe), out, on_error)
-        dtype = schema_dtype(structured.value) if schema is not None else pd.CategoricalDtype(structured.value)
-        return self._with(self._results(rendered, op, slots, on_error, dedupe=dedupe), out, on_error, dtype)
+            results_dtype, dtype = types.TEXT, None
+        else:
+            results_dtype = None
+            dtype = schema_dtype(structured.value) if schema is not None else pd.CategoricalDtype(structured.value)
+        return self._llm(op, template, slots, nulls, on_error, results_dtype, dedupe, made=(out, f"{out}_error"),
+                         columns=functools.partial(self._columns, out=out, on_error=on_error, dtype=dtype))
 
     def filter(self, predicate: str, *, model: str | None = None, on_error: str = "raise",
                budget: Budget | None = None, chat: bool | None = None, dedupe: str = "auto",
@@ -127,23 +163,16 @@ class LLMAccessor:
         :class:`daskllm.Cascade`, instead of ``model``) a cheap proxy model answers the rows it is
         sure of and an oracle model the rest."""
         slots = self._slots(predicate)
-        rendered = self._render(predicate, slots, nulls)  # a row with a null field is dropped (or an error)
-        keys = rendered[KEY]
         if cascade is not None:
             if model is not None:
                 raise ValueError("filter: pass model= or cascade=, not both (the cascade names its models)")
-            results = self._cascade(keys, predicate, slots, cascade, on_error, budget, chat)
-        else:
-            model = self._model(model)
-            yes_no(model)  # fail here if the model cannot say yes or no
-            op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
-                    chat=self._chat(model, chat))
-            results = self._results(rendered, op, slots, on_error, types.FIELDS["bool"], dedupe)
-        # The mask is one opaque task per partition, never an astype the optimizer can see: dask-expr's
-        # filter pushdown takes a predicate ending in astype (or another pass-through op) for the
-        # filtered frame when both are co-aligned (one partition, dedupe="local") and replaces
-        # ``frame[mask]`` by the mask itself (dask/dask#12172): the filter returned the mask.
-        return self._ddf[results["value"].map_partitions(kept, meta=("value", bool))]
+            keys = self._render(predicate, slots, nulls)[KEY]  # a row with a null field is dropped (or an error)
+            return self._ddf[_mask(self._cascade(keys, predicate, slots, cascade, on_error, budget, chat))]
+        model = self._model(model)
+        yes_no(model)  # fail here if the model cannot say yes or no
+        op = Op("filter", model, "filter", predicate, SamplingParams(max_tokens=1), budget=budget,
+                chat=self._chat(model, chat))
+        return self._llm(op, predicate, slots, nulls, on_error, types.FIELDS["bool"], dedupe, mask=_mask)
 
     def _cascade(self, keys, predicate: str, slots: tuple, cascade: Cascade, on_error: str, budget, chat):
         """Per row: value and error of a cascaded filter (see daskllm/dataframe/cascade.py)."""
@@ -194,14 +223,8 @@ class LLMAccessor:
         structured = StructuredOutput.json_schema(fields_schema(spec))
         op = Op("extract", model, "extract", template, SamplingParams(max_tokens=max_tokens, structured=structured),
                 fields=spec, budget=budget, chat=self._chat(model, chat))
-        results = self._results(self._render(template, slots, nulls), op, slots, on_error)
-        columns = {}
-        for name, kind in spec:
-            columns[name] = results["value"].map(lambda v, n=name: None if v is None else v[n],
-                                                 meta=(name, object)).astype(types.FIELDS[kind])
-        if on_error == "null":
-            columns["extract_error"] = results["error"]
-        return self._ddf.assign(**columns)
+        return self._llm(op, template, slots, nulls, on_error, None, "auto", made=(*dict(spec), "extract_error"),
+                         columns=functools.partial(_fields, spec=spec, on_error=on_error))
 
     def embed(self, column: str, *, model: str | None = None, out: str | None = None, on_error: str = "raise",
               nulls: str = "skip"):
@@ -256,8 +279,9 @@ class LLMAccessor:
         model = self._model(model)
         op = Op("rate", model, "topk", criterion, SamplingParams(max_tokens=1), budget=budget,
                 chat=self._chat(model, chat))
-        results = self._results(self._render(criterion, slots, nulls), op, slots, "raise", types.RATING)
-        return self._with(results, out, "raise").dropna(subset=[out]).nlargest(k, out)
+        rated = self._llm(op, criterion, slots, nulls, "raise", types.RATING, "auto", made=(out,),
+                          columns=functools.partial(self._columns, out=out, on_error="raise"))
+        return rated.dropna(subset=[out]).nlargest(k, out)
 
     def agg(self, template: str, *, model: str | None = None, max_tokens: int = 64, split_every: int = 8,
             instruction: str = "Summarize the following in a few sentences:\n", chat: bool | None = None,
@@ -283,6 +307,33 @@ class LLMAccessor:
     def _column(self, column: str) -> None:
         if column not in self._ddf.columns:
             raise KeyError(f"{column!r} is not a column; columns are {list(self._ddf.columns)}")
+
+
+JOB = "_daskllm_job"  # the attribute of an operator's output frame holding its table job
+
+
+def _render(frame, template: str, slots: tuple, nulls: str):
+    """Each row's prompt (its dedupe key), or why it has none (cells: the null and type rules)."""
+    return (frame[list(slots)] if slots else frame).map_partitions(render, template, slots, nulls, meta=RENDERED)
+
+
+def _mask(results):
+    # The mask is one opaque task per partition, never an astype the optimizer can see: dask-expr's
+    # filter pushdown takes a predicate ending in astype (or another pass-through op) for the
+    # filtered frame when both are co-aligned (one partition, dedupe="local") and replaces
+    # ``frame[mask]`` by the mask itself (dask/dask#12172): the filter returned the mask.
+    return results["value"].map_partitions(kept, meta=("value", bool))
+
+
+def _fields(results, spec: tuple, on_error: str) -> dict:
+    """An extract's columns: one per field, of its type (and ``extract_error``)."""
+    columns = {}
+    for name, kind in spec:
+        columns[name] = results["value"].map(lambda v, n=name: None if v is None else v[n],
+                                             meta=(name, object)).astype(types.FIELDS[kind])
+    if on_error == "null":
+        columns["extract_error"] = results["error"]
+    return columns
 
 
 @register_series_accessor("llm")

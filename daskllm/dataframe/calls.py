@@ -34,13 +34,40 @@ from daskllm.runtime.view import take_view
 from daskllm.worker.host import host, in_worker
 from daskllm.worker.usage import DATAFRAME, TaskUsage
 
+@dataclasses.dataclass
+class CallCounts:
+    """What an operator's calls from one task did: what :func:`record` sums per operator."""
+
+    distinct: int = 0
+    executed: int = 0
+    failed: int = 0
+    children: list = dataclasses.field(default_factory=list)  # the nested plans' task keys
+    requested: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, other: CallCounts) -> None:
+        self.distinct += other.distinct
+        self.executed += other.executed
+        self.failed += other.failed
+        self.children += other.children
+        for op, n in other.requested.items():
+            self.requested[op] = self.requested.get(op, 0) + n
+
+
 def call(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> pd.DataFrame:
     """Run ``op`` on a partition of distinct inputs: one batched daskllm call, from this task
     (``here``: on this worker's engines where it holds them, :func:`compute_nested`)."""
+    started = time.time()
+    results, counts = run(distinct, op, slots, here)
+    record(op.name, started=started, **dataclasses.asdict(counts))
+    return results
+
+
+def run(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> tuple[pd.DataFrame, CallCounts]:
+    """:func:`call`'s work, unrecorded: the results (``KEY``, value, error) and their counts."""
     empty = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
                           "error": pd.Series([], dtype=STRING)})
     if distinct.empty:
-        return empty
+        return empty, CallCounts()
     distinct = distinct.sort_values(KEY)  # shared prefixes next to each other
     keys = distinct[KEY].tolist()
     if in_worker():  # costs() loads a tokenizer: transformers' lazy imports race with the engines' loading
@@ -51,7 +78,6 @@ def call(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> pd.
         errors.update(reserve(op.budget, {i: c for i, c in enumerate(cost) if isinstance(c, int)}))
     todo = [i for i in range(len(keys)) if i not in errors]
     values: list = [None] * len(keys)
-    started = time.time()
     children, requested = [], {}
     if todo:
         node = call_node(distinct.iloc[todo], op, slots)
@@ -75,10 +101,9 @@ def call(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> pd.
                     error = str(exc)
                 if error is not None:
                     errors[i] = error
-    record(op.name, distinct=len(keys), executed=len(todo), failed=len(errors), children=children,
-            requested=requested, started=started)
-    return pd.DataFrame({KEY: pd.Series(keys, dtype=STRING), "value": pd.Series(values, dtype=object),
-                         "error": pd.Series([errors.get(i) for i in range(len(keys))], dtype=STRING)})
+    results = pd.DataFrame({KEY: pd.Series(keys, dtype=STRING), "value": pd.Series(values, dtype=object),
+                            "error": pd.Series([errors.get(i) for i in range(len(keys))], dtype=STRING)})
+    return results, CallCounts(len(keys), len(todo), len(errors), list(children), dict(requested))
 
 
 def reserve(budget: Budget, needs: dict[int, int]) -> dict[int, str]:
@@ -142,12 +167,13 @@ def plan_keys(plan) -> list:
     return plan.task_keys()
 
 
-def record(operator: str, *, children=(), **record) -> None:
-    """This task's counts, under its task key: a task that runs again (its worker died, or a
-    result it made was lost and is recomputed) replaces its record instead of adding one. On a
-    worker the record also goes to the scheduler's event log, so it outlives the worker."""
+def record(operator: str, *, children=(), tag: str = "", **record) -> None:
+    """This task's counts, under its task key (and ``tag``, where one task runs several
+    operators): a task that runs again (its worker died, or a result it made was lost and is
+    recomputed) replaces its record instead of adding one. On a worker the record also goes to
+    the scheduler's event log, so it outlives the worker."""
     task_key = getattr(thread_state, "key", None)
-    key = f"dataframe-{operator}-{task_key if task_key is not None else uuid.uuid4().hex[:12]}"
+    key = f"dataframe-{operator}-{task_key if task_key is not None else uuid.uuid4().hex[:12]}{tag}"
     host().record(key, TaskUsage(DATAFRAME, operator=operator, children=tuple(children), **record))
 
 

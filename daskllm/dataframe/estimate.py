@@ -4,9 +4,9 @@ results already in the persistent store, and a time from the engines' measured p
 
 The operators are found in the collection's expression after dask's simplification (so a
 column that projection pushdown drops, and the operator behind it, is not counted): each is a
-``map_partitions`` of :func:`daskllm.dataframe.dedupe.call_owned` over the distinct rendered
-prompts (see :mod:`daskllm.dataframe.dedupe`), with its :class:`~daskllm.dataframe.ops.Op` as
-an argument. Its prompts are
+``map_partitions`` of :func:`daskllm.dataframe.job.job_calls` (or, with another ``dedupe=``,
+:func:`daskllm.dataframe.dedupe.call_owned`) over the distinct rendered prompts, with its
+:class:`~daskllm.dataframe.ops.Op` as an argument. Its prompts are
 rendered by dask (cheap string work on the cluster, no engine): all of them for a table held in
 memory or of few partitions ("exact"), a spread of partitions otherwise ("sampled": distinct
 inputs by the bias-corrected Chao1 estimator, tokens and store hits scaled from the sample).
@@ -38,6 +38,7 @@ from dask.dataframe.dask_expr.io.io import FromPandas
 
 from daskllm.dataframe.calls import call_sampling
 from daskllm.dataframe.dedupe import call_owned, local_distinct
+from daskllm.dataframe.job import job_calls
 from daskllm.dataframe.ops import KEY, Op, prompt_ids
 from daskllm.dataframe.rows import RENDERED, render
 from daskllm.prompts import tokenizer_for
@@ -134,11 +135,20 @@ class TableEstimate:
 def operator_calls(collection) -> list[MapPartitions]:
     """The LLM operators the collection will run, upstream first."""
     found = [e for e in collection.expr.simplify().walk() if is_call(e)]
-    return sorted(found, key=lambda e: len(upstream_calls(e)))
+    # Within a table job, in the order its operators were added (their number in it).
+    return sorted(found, key=lambda e: (len(upstream_calls(e)), job_number(e)))
+
+
+def job_number(expr) -> int:
+    """A call step's operator's number in its table job (0 outside one)."""
+    if expr.func is not job_calls:
+        return 0
+    i = next(i for i, a in enumerate(expr.args) if isinstance(a, Op))
+    return expr.args[i + 2]
 
 
 def is_call(expr) -> bool:
-    return isinstance(expr, MapPartitions) and expr.func is call_owned
+    return isinstance(expr, MapPartitions) and expr.func in (call_owned, job_calls)
 
 
 def upstream_calls(expr) -> list:
@@ -162,6 +172,8 @@ def keyed_rows(expr):
 def per_partition(expr) -> bool:
     """Whether each partition calls its own distinct inputs (``dedupe="local"``): a duplicate
     across partitions is then one call per partition holding it."""
+    if expr.func is job_calls:  # a table job's calls: each distinct input called once
+        return False
     frame = expr.frame
     owners = expr.args[1]
     return owners is None and isinstance(frame, MapPartitions) and frame.func is local_distinct \

@@ -1,0 +1,94 @@
+"""Table jobs (daskllm/dataframe/job.py): several ``ddf.llm`` operators added to the same rows are
+planned together, each shared prompt prefix computed once across rows, partitions and
+operators, with a KV cache far smaller than the job; the answers are those of each operator
+computed alone, in the table's row order."""
+
+from __future__ import annotations
+
+import dask
+import dask.dataframe as dd
+import pandas as pd
+import pytest
+
+import daskllm
+import daskllm.dataframe  # noqa: F401 - the ddf.llm accessor
+from daskllm.corpus import stdlib_docs
+from daskllm.dataframe.accessor import JOB
+
+QUESTIONS = ("What does it return?", "Which arguments does it take?", "Is it deprecated?", "Give one example of its use.")
+TEMPLATE = "Documentation of {qualname}:\n{doc}\n\nQuestion: "
+KV_CACHE_TOKENS = 4096  # the job's distinct prefix tokens are about 9x this
+
+
+def shuffled_docs(rows: int = 120, npartitions: int = 4) -> dd.DataFrame:
+    """``rows`` stdlib docs of at least 400 characters (cut at 1,200), shuffled (seed 0)."""
+    docs = stdlib_docs()
+    docs = docs[docs["doc"].str.len() >= 400].sample(n=rows, random_state=0)
+    docs = docs.assign(doc=docs["doc"].str.slice(0, 1200))[["qualname", "doc"]].reset_index(drop=True)
+    return dd.from_pandas(docs, npartitions=npartitions)
+
+
+def columns(ddf: dd.DataFrame) -> dd.DataFrame:
+    """The four question columns, added one after another: one table job."""
+    for i, question in enumerate(QUESTIONS):
+        ddf = ddf.llm.map(TEMPLATE + question, model="tiny", max_tokens=4, out=f"a{i}")
+    return ddf
+
+
+@pytest.fixture(scope="module")
+def client(llm_cluster, tiny_model_dir):
+    settings = {"daskllm.engine.kv-cache-tokens": KV_CACHE_TOKENS, "daskllm.metering.prompt-blocks": True,
+                "daskllm.result-store.enabled": False}
+    with dask.config.set(settings), llm_cluster(n_workers=1, threads_per_worker=4) as client:
+        yield client
+
+
+@pytest.mark.timeout(240)
+def test_four_question_columns_compute_each_prefix_once_and_equal_each_column_alone(client):
+    ddf = shuffled_docs()
+    with daskllm.usage() as u:
+        joint = columns(ddf).compute()
+    bound = u.distinct_prompt_tokens
+    assert bound > 8 * KV_CACHE_TOKENS  # the job is far larger than the cache
+    print(f"prefill computed {u.prefill_tokens_computed} / bound {bound} = {u.prefill_tokens_computed / bound:.3f}")
+    assert u.prefill_tokens_computed <= 1.1 * bound
+    assert [u.operators["map"][k] for k in ("rows", "distinct", "failed")] == [4 * 120, 4 * 120, 0]
+    expected = ddf.compute()
+    pd.testing.assert_frame_equal(joint[["qualname", "doc"]], expected)  # the table's rows, in its order
+    for i, question in enumerate(QUESTIONS):
+        alone = ddf.llm.map(TEMPLATE + question, model="tiny", max_tokens=4, out=f"a{i}").compute()
+        assert alone[f"a{i}"].tolist() == joint[f"a{i}"].tolist(), question
+        assert joint[f"a{i}"].notna().all()
+
+
+@pytest.mark.timeout(240)
+def test_a_filter_joins_the_columns_job_and_an_operator_on_their_output_starts_another(client):
+    ddf = shuffled_docs(rows=24, npartitions=3)
+    mapped = ddf.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a")
+    kept = mapped.llm.filter(TEMPLATE + "Is this about files?", model="tiny")
+    after = kept.llm.map("Rephrase: {a}", model="tiny", max_tokens=4, out="b")  # reads the map's answers
+    assert getattr(mapped, JOB).members[0].op.name == "map"
+    assert getattr(kept, JOB, None) is None  # after a filter, which rows there are depends on answers
+    assert [m.op.name for m in getattr(after, JOB).members] == ["map"]  # a job of its own
+    with daskllm.usage() as u:
+        joint = after.compute()
+    assert u.operators["map"]["distinct"] == 24 + len(joint) and u.operators["filter"]["distinct"] == 24
+    alone_map = ddf.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a").compute()
+    alone_kept = ddf.llm.filter(TEMPLATE + "Is this about files?", model="tiny").compute()
+    assert joint.index.tolist() == alone_kept.index.tolist()
+    assert joint["a"].tolist() == alone_map.loc[alone_kept.index, "a"].tolist()
+    rephrased = dd.from_pandas(alone_map.loc[alone_kept.index], npartitions=1).llm.map(
+        "Rephrase: {a}", model="tiny", max_tokens=4, out="b").compute()
+    assert joint["b"].tolist() == rephrased["b"].tolist()
+
+
+@pytest.mark.timeout(240)
+def test_operators_computed_together_from_separate_frames_give_the_same_answers(client):
+    """``dask.compute(a, b)`` of two operators on the same frame: two jobs (their calls are not
+    grouped with each other), the same answers."""
+    ddf = shuffled_docs(rows=12, npartitions=2)
+    a = ddf.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a")
+    b = ddf.llm.map(TEMPLATE + QUESTIONS[1], model="tiny", max_tokens=4, out="b")
+    together = dask.compute(a, b)
+    assert together[0]["a"].tolist() == a.compute()["a"].tolist()
+    assert together[1]["b"].tolist() == columns(ddf).compute()["a1"].tolist()
