@@ -71,7 +71,8 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[dict]:
     port, dashboard = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
     # PYTHONPATH: the workers import the reference pipelines from this checkout, as the client does
-    env = {**os.environ, "DASK_DASKLLM__ENGINE__BLOCK_SIZE": str(VLLM_BLOCK), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "DASK_DASKLLM__ENGINE__BLOCK_SIZE": str(VLLM_BLOCK), "PYTHONPATH": str(ROOT),
+           "DASK_DASKLLM__METERING__PROMPT_BLOCKS": "True"}  # usage's distinct-prefix bound
     commands = {
         "scheduler": [BIN / "dask", "llm", "scheduler", "--host", "127.0.0.1", "--port", port,
                       "--dashboard-address", f"127.0.0.1:{dashboard}"],
@@ -184,6 +185,24 @@ def test_dataframe_map_filter_extract_and_embed(client):
     assert got[["q", "answer", "alive"]].reset_index(drop=True).equals(alone[["q", "answer", "alive"]]
                                                                          .reset_index(drop=True))
     assert str(got["alive"].dtype).lower().startswith("bool") and all(len(v) == 384 for v in got["vec"])
+
+
+def test_a_table_job_computes_each_prefix_once_on_vllm(client):
+    """The four question columns of tests/test_table_jobs.py on the two vLLM workers (4,096
+    KV cache tokens each): prefill computed within 1.1x the distinct-prefix bound, and each
+    column's answers those of the column computed alone."""
+    from test_table_jobs import QUESTIONS as ASKED, TEMPLATE, columns, shuffled_docs
+
+    ddf = shuffled_docs()
+    with daskllm.usage() as u:
+        joint = columns(ddf).compute()
+    print(f"prefill computed {u.prefill_tokens_computed} / bound {u.distinct_prompt_tokens}")
+    assert u.distinct_prompt_tokens > 8 * 4096
+    assert u.prefill_tokens_computed <= 1.1 * u.distinct_prompt_tokens
+    cold_start(client)
+    for i, question in enumerate(ASKED):
+        alone = ddf.llm.map(TEMPLATE + question, model="tiny", max_tokens=4, out=f"a{i}").compute()
+        assert alone[f"a{i}"].tolist() == joint[f"a{i}"].tolist(), question
 
 
 def test_streamed_pmap_equals_the_whole_list(client):
