@@ -5,6 +5,7 @@
     python bench/dataframe.py --scale 100000     # map then filter on 100,000 rows: peak memory
     python bench/dataframe.py --scale 100000 --kill-after 300   # ... with a worker killed 300 s in
     python bench/dataframe.py --cascade          # filter cascades on labelled yes/no questions
+    .venv-vllm/bin/python bench/dataframe.py --shared-context columns --reps 3   # table jobs vs vLLM alone
 
 Cluster: ``LocalLLMCluster(models=[MODEL], n_workers=2, threads_per_worker=4)``; tables are
 dask dataframes of ``--partitions`` partitions with pyarrow strings:
@@ -46,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import log, machine_info  # noqa: E402
+import table_jobs  # noqa: E402
 
 SYSTEMS = ("rowwise", "batched", "daskllm", "daskllm-global", "daskllm-local")
 TABLES = {"stdlib": "Explain {qualname} in one line: {first_sentence}",
@@ -110,7 +112,14 @@ def main(argv=None) -> int:
     parser.add_argument("--kill-after", type=float, metavar="S", help="with --scale: SIGKILL a worker S seconds in")
     parser.add_argument("--json")
     parser.add_argument("--cascade", action="store_true", help="oracle-only filter against cascades (see cascade_main)")
+    parser.add_argument("--shared-context", choices=table_jobs.JOBS, metavar="JOB",
+                        help=f"a table job against vLLM alone (bench/table_jobs.py): one of {table_jobs.JOBS}")
+    parser.add_argument("--job-systems", nargs="+", default=list(table_jobs.SYSTEMS), dest="job_systems")
     args = parser.parse_args(argv)
+    if args.shared_context:
+        args.systems = args.job_systems
+        args.rows = args.rows if "--rows" in (argv or sys.argv) else None
+        return table_jobs.main(args)
     if args.scale:
         return scale(args)
     if args.cascade:

@@ -5,17 +5,18 @@
     out = out.llm.filter("Is this about files? {summary}")
     out.to_parquet("summaries/")
 
-Every operator is lazy and composes with dask's expression optimizer. How one runs:
+Every operator is lazy and composes with dask's expression optimizer. The LLM operators
+added one after another to the same rows are one table job (:mod:`daskllm.dataframe.job`):
 
-1. **render**: each partition renders its rows' prompts (cheap string work);
-2. **distinct**: ``drop_duplicates`` over the whole table (a Dask tree reduction): identical
-   prompts anywhere in the table become one call (CSE across rows and partitions);
-3. **call**: each partition of distinct prompts, sorted by prompt so shared prefixes are
-   adjacent, becomes one batched daskllm call, planned and placed like any daskllm work (the
-   shared instruction prefilled once per worker, shards placed with model and cache
-   locality by the placement plugin), run from the task (tasks from tasks);
-4. **fan out**: the (small) table of results is broadcast to the row partitions, which look
-   their rows up.
+1. **render**: each partition renders its rows' prompts (cheap string work) and drops its own
+   duplicates;
+2. **group**: a shuffle by prompt prefix puts the prompts that share one in one partition,
+   whichever rows, partitions and operators they came from (identical prompts too: each is
+   called once);
+3. **call**: each group partition sorts its prompts and runs them in waves that fit its
+   engine's KV cache, operator after operator, so each shared prefix is computed once; run
+   from the task, on its worker's engines where it holds them (tasks from tasks);
+4. **back**: the results go back to the row partitions that asked, which look their rows up.
 
 The output is ``ddf.assign(out=...)``, so a column no later step reads is dropped by dask's
 projection pushdown and never generated. A row that fails (prompt too long, output that does

@@ -1,0 +1,211 @@
+"""Tables that share context: daskllm's table jobs against vLLM alone (``bench/dataframe.py
+--shared-context JOB``; run it in .venv-vllm).
+
+Jobs, over the stdlib documentation table, rows shuffled (seed 0):
+
+* ``columns``: four questions as four ``map`` columns over the rows whose ``doc`` has at least
+  256 tokens (cut at 1,200 characters): each document is the prefix of four prompts.
+* ``modules``: one question about each function, after its module's documentation (modules
+  whose documentation has at least 256 tokens): rows share their module's text.
+* ``filter-map``: a ``filter`` on the ``columns`` documents, then a ``map`` on the rows it keeps.
+
+Systems, each with prefix caching and the same total KV cache (sized to hold at most 10% of
+the job's distinct prefix tokens), one engine on every core:
+
+* ``daskllm``: the ``ddf.llm`` job on one vLLM worker (``daskllm-torch``: one torch worker);
+* ``vllm-loop``: vLLM's ``LLM.generate`` once per operator, rows in table order (the natural loop);
+* ``vllm-sorted``: every prompt of the job in one ``LLM.generate``, sorted by the shared column
+  (the strongest user; for ``filter-map`` two calls, the map's after the filter's).
+
+Reported per system: wall time (median of interleaved repeats), prefill tokens computed against
+the distinct-prefix bound (distinct full KV blocks plus each distinct prompt's partial last
+block, counted here from the prompts' token ids, and checked against daskllm's
+``usage().distinct_prompt_tokens``), and whether the answers equal ``vllm-loop``'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]  # pipelines.vllm_alone: the harness's vLLM-alone engines
+
+JOBS = ("columns", "modules", "filter-map")
+SYSTEMS = ("daskllm", "daskllm-torch", "vllm-loop", "vllm-sorted")
+QUESTIONS = ("What does it return?", "Which arguments does it take?", "Is it deprecated?",
+             "Give one example of its use.")
+COLUMNS_TEMPLATE = "Documentation of {qualname}:\n{doc}\n\nQuestion: "
+MODULES_TEMPLATE = "Documentation of the {module} module:\n{module_doc}\n\nQuestion: what does {qualname} do?"
+FILTER = COLUMNS_TEMPLATE + "Is this about files?"
+MIN_TOKENS = 256
+
+
+def table(job: str, model: str, rows: int | None) -> pd.DataFrame:
+    """The job's rows, shuffled (seed 0)."""
+    from daskllm.corpus import stdlib_docs
+    from daskllm.prompts import tokenizer_for
+
+    docs = stdlib_docs()
+    tok = tokenizer_for(model)
+    long = docs["doc"].map(lambda d: len(tok.encode(d)) >= MIN_TOKENS)
+    if job in ("columns", "filter-map"):
+        picked = docs[long & (docs["kind"] != "module")]
+        picked = picked.assign(doc=picked["doc"].str.slice(0, 1200))[["qualname", "doc"]]
+    else:
+        modules = docs[long & (docs["kind"] == "module")][["module", "doc"]].rename(columns={"doc": "module_doc"})
+        modules = modules.assign(module_doc=modules["module_doc"].str.slice(0, 1200))
+        functions = docs[docs["kind"] == "function"][["module", "qualname"]]
+        picked = functions.merge(modules, on="module")
+    picked = picked.sample(frac=1.0, random_state=0).reset_index(drop=True)
+    return picked.iloc[:rows] if rows else picked
+
+
+def operators(job: str) -> list[tuple[str, str]]:
+    """(kind, template) per operator, in order."""
+    if job == "columns":
+        return [("map", COLUMNS_TEMPLATE + q) for q in QUESTIONS]
+    if job == "modules":
+        return [("map", MODULES_TEMPLATE)]
+    return [("filter", FILTER), ("map", COLUMNS_TEMPLATE + QUESTIONS[0])]
+
+
+def daskllm_job(ddf, job: str, model: str, max_tokens: int):
+    for i, (kind, template) in enumerate(operators(job)):
+        if kind == "filter":
+            ddf = ddf.llm.filter(template, model=model)
+        else:
+            ddf = ddf.llm.map(template, model=model, max_tokens=max_tokens, out=f"a{i}")
+    return ddf
+
+
+def prompt_ids(frame: pd.DataFrame, kind: str, template: str, model: str, max_tokens: int) -> list:
+    """The token ids daskllm sends for these rows (its rendering, its chat template)."""
+    from daskllm.dataframe.ops import Op, prompt_ids as ids_of
+    from daskllm.engines import SamplingParams
+    from daskllm.prompts import tokenizer_for
+
+    name = "filter" if kind == "filter" else "generate"
+    op = Op(name, model, kind, template, SamplingParams(max_tokens=1 if kind == "filter" else max_tokens),
+            chat=tokenizer_for(model).has_chat_template)
+    return [list(ids) for ids in ids_of(frame, op)]
+
+
+def bound(prompts: list, block: int) -> int:
+    """Distinct full KV blocks (as prefix chains) plus each distinct prompt's partial last block."""
+    full, tails = set(), set()
+    for ids in prompts:
+        ids = tuple(ids)
+        n = len(ids) // block
+        full.update(ids[:(i + 1) * block] for i in range(n))
+        if len(ids) % block:
+            tails.add(ids)
+    return len(full) * block + sum(len(t) % block for t in tails)
+
+
+def main(args) -> int:
+    import dask
+    import dask.dataframe as dd
+    from distributed import Client
+
+    import daskllm
+    from daskllm import config
+
+    sys.path.insert(0, str(ROOT))
+    from pipelines.vllm_alone import Call, OfflineEngine
+    from daskllm.dataframe.ops import yes_no
+
+    job, model, max_tokens = args.shared_context, args.model, args.max_tokens
+    if any(s != "daskllm-torch" for s in args.systems):  # vLLM's CPU attention takes blocks of 32
+        from daskllm.engines.vllm import CPU_BLOCK_MULTIPLE
+
+        dask.config.set({"daskllm.engine.block-size": CPU_BLOCK_MULTIPLE})
+    rows = table(job, model, args.rows)
+    block = config.get("engine.block-size")
+    ops = operators(job)
+    every = [prompt_ids(rows, kind, template, model, max_tokens) for kind, template in ops]
+    distinct = bound([p for ids in every for p in ids], block)
+    kv = max(4 * block * 64, int(0.1 * distinct) // block * block)
+    print(f"{job}: {len(rows)} rows, {len(ops)} operators, distinct-prefix bound {distinct} tokens, "
+          f"KV cache {kv} tokens, {model}, max_tokens {max_tokens}", flush=True)
+    results: dict[str, dict] = {s: {"seconds": [], "computed": None, "answers": None} for s in args.systems}
+
+    def alone_run(engine, sorted_: bool):
+        before = engine.counters.prefill_tokens_computed
+        answers = []
+        keep = None
+        started = time.perf_counter()
+        for (kind, template), ids in zip(ops, every):
+            allowed = tuple(yes_no(model)) if kind == "filter" else ()
+            todo = list(range(len(rows))) if keep is None else keep
+            calls = [Call(model, tuple(ids[i]), 1 if kind == "filter" else max_tokens, False, allowed) for i in todo]
+            order = sorted(range(len(calls)), key=lambda j: calls[j].prompt_ids) if sorted_ else range(len(calls))
+            outs = [None] * len(calls)
+            for j, o in zip(order, engine.generate([calls[j] for j in order])):
+                outs[j] = o.text
+            if kind == "filter":
+                keep = [i for i, o in zip(todo, outs) if o.strip().lower().startswith("y")]
+            else:
+                answers.append(outs)
+        seconds = time.perf_counter() - started
+        engine.reset_prefix_cache()
+        return seconds, engine.counters.prefill_tokens_computed - before, answers
+
+    engine = None
+    if any(s.startswith("vllm") for s in args.systems):
+        engine = OfflineEngine(model, kv_cache_tokens=kv)
+    clusters = {}
+    try:
+        settings = {"daskllm.engine.kv-cache-tokens": kv, "daskllm.metering.prompt-blocks": True,
+                    "daskllm.result-store.enabled": False}
+        for system in [s for s in args.systems if s.startswith("daskllm")]:
+            backend = "vllm" if system == "daskllm" else "torch"
+            with dask.config.set(settings):
+                cluster = daskllm.LocalLLMCluster(models=[model], n_workers=1, backend=backend, embedders=(),
+                                                  rerankers=(), engine_options={"kv_cache_tokens": kv},
+                                                  dashboard_address="127.0.0.1:0")
+            clusters[system] = cluster
+        for rep in range(args.reps):
+            for system in args.systems:
+                if system.startswith("vllm"):
+                    seconds, computed, answers = alone_run(engine, system == "vllm-sorted")
+                else:
+                    with Client(clusters[system], set_as_default=False) as client, dask.config.set(settings):
+                        ddf = dd.from_pandas(rows, npartitions=max(2, args.partitions))
+                        started = time.perf_counter()
+                        with client.as_current(), daskllm.usage() as u:
+                            out = daskllm_job(ddf, job, model, max_tokens).compute()
+                        seconds = time.perf_counter() - started
+                        computed = u.prefill_tokens_computed
+                        if u.distinct_prompt_tokens is not None and u.distinct_prompt_tokens != distinct:
+                            print(f"  note: {system}'s usage counts a bound of {u.distinct_prompt_tokens}", flush=True)
+                        answers = [out[f"a{i}"].tolist() for i, (kind, _) in enumerate(ops) if kind == "map"]
+                r = results[system]
+                r["seconds"].append(seconds)
+                r["computed"], r["answers"] = computed, answers
+                print(f"  rep {rep} {system}: {seconds:.1f} s, prefill computed {computed}", flush=True)
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+        if engine is not None:
+            engine.close()
+    reference = results.get("vllm-loop", {}).get("answers")
+    loop = statistics.median(results["vllm-loop"]["seconds"]) if "vllm-loop" in results else None
+    sorted_ = statistics.median(results["vllm-sorted"]["seconds"]) if "vllm-sorted" in results else None
+    print(f"\n| system | wall s | vs vllm-loop | vs vllm-sorted | prefill computed / bound | answers = vllm-loop |")
+    print("|---|---|---|---|---|---|")
+    for system, r in results.items():
+        wall = statistics.median(r["seconds"])
+        same = "-" if reference is None else ("yes" if r["answers"] == reference else
+                                             f"{_agreement(r['answers'], reference):.1%}")
+        print(f"| {system} | {wall:.1f} | {loop / wall if loop else float('nan'):.2f}x | "
+              f"{sorted_ / wall if sorted_ else float('nan'):.2f}x | {r['computed'] / distinct:.2f} | {same} |")
+    return 0
+
+
+def _agreement(answers: list, reference: list) -> float:
+    pairs = [(a, b) for col_a, col_b in zip(answers, reference) for a, b in zip(col_a, col_b)]
+    return sum(a == b for a, b in pairs) / max(1, len(pairs))
