@@ -8,6 +8,7 @@ import re
 import time
 import uuid
 
+import numpy as np
 import pandas as pd
 from distributed.worker import thread_state
 
@@ -62,17 +63,20 @@ def call(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> pd.
     return results
 
 
-def run(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True) -> tuple[pd.DataFrame, CallCounts]:
-    """:func:`call`'s work, unrecorded: the results (``KEY``, value, error) and their counts."""
+def run(distinct: pd.DataFrame, op: Op, slots: tuple, here: bool = True,
+        ids: list | None = None) -> tuple[pd.DataFrame, CallCounts]:
+    """:func:`call`'s work, unrecorded: the results (``KEY``, value, error) and their counts.
+    ``ids``: the inputs' prompt token ids where the caller has them (in ``distinct``'s order)."""
     empty = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series([], dtype=object),
                           "error": pd.Series([], dtype=STRING)})
     if distinct.empty:
         return empty, CallCounts()
-    distinct = distinct.sort_values(KEY)  # shared prefixes next to each other
+    order = np.argsort(distinct[KEY].to_numpy(dtype=object), kind="stable")  # shared prefixes next to each other
+    distinct = distinct.iloc[order]
     keys = distinct[KEY].tolist()
     if in_worker():  # costs() loads a tokenizer: transformers' lazy imports race with the engines' loading
         host().wait_loaded()
-    cost = costs(distinct, op)
+    cost = costs(distinct, op, None if ids is None else [ids[i] for i in order])
     errors: dict[int, str] = {i: c for i, c in enumerate(cost) if isinstance(c, str)}
     if op.budget is not None:
         errors.update(reserve(op.budget, {i: c for i, c in enumerate(cost) if isinstance(c, int)}))

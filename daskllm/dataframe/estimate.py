@@ -141,10 +141,7 @@ def operator_calls(collection) -> list[MapPartitions]:
 
 def job_number(expr) -> int:
     """A call step's operator's number in its table job (0 outside one)."""
-    if expr.func is not job_calls:
-        return 0
-    i = next(i for i, a in enumerate(expr.args) if isinstance(a, Op))
-    return expr.args[i + 2]
+    return expr.args[_op_at(expr) + 2] if expr.func is job_calls else 0
 
 
 def is_call(expr) -> bool:
@@ -157,8 +154,13 @@ def upstream_calls(expr) -> list:
 
 def operator_of(expr) -> tuple[Op, tuple]:
     """A call step's operator and its template's slots."""
-    i = next(i for i, a in enumerate(expr.args) if isinstance(a, Op))  # args hold expressions: no ==
+    i = _op_at(expr)
     return expr.args[i], expr.args[i + 1]
+
+
+def _op_at(expr) -> int:
+    """Where a call step's arguments hold its operator (its slots, and a job's number, follow)."""
+    return next(i for i, a in enumerate(expr.args) if isinstance(a, Op))  # args hold expressions: no ==
 
 
 def keyed_rows(expr):

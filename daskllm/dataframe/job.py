@@ -110,11 +110,13 @@ def run_calls(calls: pd.DataFrame, ops: tuple[Op, ...], here: tuple[bool, ...]) 
         host().wait_loaded()
     counts = [CallCounts() for _ in ops]
     results = []
-    for wave, gate, tokens in waves(distinct, ops):
+    for wave, ids, gate, tokens in waves(distinct, ops):
+        numbers = wave[OP].tolist()
         with gate.hold(tokens):
-            for number in sorted(set(wave[OP].tolist())):
-                rows = wave.loc[wave[OP] == number, [KEY]]
-                frame, done = run(rows, keyed(ops[number]), (KEY,), here[number])
+            for number in sorted(set(numbers)):
+                mine = [i for i, n in enumerate(numbers) if n == number]
+                frame, done = run(wave.iloc[mine][[KEY]], keyed(ops[number]), (KEY,), here[number],
+                                  None if ids is None else [ids[i] for i in mine])
                 counts[number].add(done)
                 results.append(frame.assign(**{OP: number}))
     for number, (op, c) in enumerate(zip(ops, counts)):
@@ -125,14 +127,15 @@ def run_calls(calls: pd.DataFrame, ops: tuple[Op, ...], here: tuple[bool, ...]) 
     return asked.merge(values, on=[OP, KEY], how="left")[list(RESULTS_META.columns)]
 
 
-def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[tuple[pd.DataFrame, TokenGate, int]]:
+def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[tuple[pd.DataFrame, list | None, TokenGate, int]]:
     """Sorted calls cut into runs whose distinct prefix tokens (each prompt's tokens past its
     common prefix with the one before it: the nodes of their prefix tree) fit in ``WAVE_SHARE``
-    of the engine's KV cache, each with the gate its tokens pass and their count; one run
-    where the engine is not resident here."""
+    of the engine's KV cache, each with its prompts' token ids (so they are not tokenized
+    again), the gate its tokens pass and their count; one run where the engine is not
+    resident here (its calls tokenize their prompts themselves)."""
     gates = {op.model: gate(op.model) for op in ops}
     if len(set(gates.values())) != 1 or next(iter(gates.values())) is OPEN:  # several models, or none here
-        return [(distinct, OPEN, 0)]
+        return [(distinct, None, OPEN, 0)]
     the_gate = next(iter(gates.values()))
     ids: list = [None] * len(distinct)
     numbers = distinct[OP].tolist()
@@ -144,12 +147,12 @@ def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[tuple[pd.DataFram
     for i, tokens in enumerate(ids):
         new = len(tokens) - len(os.path.commonprefix([previous, tokens]))
         if i > start and filled + new > the_gate.limit:
-            out.append((distinct.iloc[start:i], the_gate, filled))
+            out.append((distinct.iloc[start:i], ids[start:i], the_gate, filled))
             start, filled = i, len(tokens)
         else:
             filled += new
         previous = tokens
-    out.append((distinct.iloc[start:], the_gate, filled))
+    out.append((distinct.iloc[start:], ids[start:], the_gate, filled))
     return out
 
 

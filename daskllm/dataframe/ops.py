@@ -72,13 +72,14 @@ def prompt_ids(distinct: pd.DataFrame, op: Op) -> list[list[int]]:
     return out
 
 
-def costs(distinct: pd.DataFrame, op: Op) -> list:
-    """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM)."""
+def costs(distinct: pd.DataFrame, op: Op, ids: list | None = None) -> list:
+    """Per input: tokens to reserve (prompt + output), an error message, or None (no LLM).
+    ``ids``: the inputs' prompt token ids, where already known (else they are rendered)."""
     if op.kind in ("embed", "search", "rerank"):
         return [None] * len(distinct)
     limit = max_len(op.model)
     out = []
-    for ids in prompt_ids(distinct, op):
+    for ids in prompt_ids(distinct, op) if ids is None else ids:
         n = len(ids)
         if n + 1 > limit:
             out.append(f"prompt has {n} tokens; model {op.model!r} holds at most {limit} including one generated")
