@@ -116,7 +116,8 @@ def main(args) -> int:
 
     sys.path.insert(0, str(ROOT))
     from pipelines.vllm_alone import Call, OfflineEngine
-    from daskllm.dataframe.ops import yes_no
+    from daskllm.dataframe.ops import max_len, yes_no
+    from daskllm.worker import reset_prefix_caches
 
     job, model, max_tokens = args.shared_context, args.model, args.max_tokens
     if any(s != "daskllm-torch" for s in args.systems):  # vLLM's CPU attention takes blocks of 32
@@ -128,13 +129,16 @@ def main(args) -> int:
     ops = operators(job)
     every = [prompt_ids(rows, kind, template, model, max_tokens) for kind, template in ops]
     distinct = bound([p for ids in every for p in ids], block)
-    kv = max(4 * block * 64, int(0.1 * distinct) // block * block)
+    # vLLM starts an engine only with a cache that holds one whole context (and a block to spare).
+    kv = max((max_len(model) // block + 1) * block, int(0.1 * distinct) // block * block)
     print(f"{job}: {len(rows)} rows, {len(ops)} operators, distinct-prefix bound {distinct} tokens, "
           f"KV cache {kv} tokens, {model}, max_tokens {max_tokens}", flush=True)
-    results: dict[str, dict] = {s: {"seconds": [], "computed": None, "answers": None} for s in args.systems}
+    results: dict[str, dict] = {s: {"seconds": [], "computed": None, "answers": None, "batch": None}
+                                for s in args.systems}
 
     def alone_run(engine, sorted_: bool):
         before = engine.counters.prefill_tokens_computed
+        steps, sequences = engine.counters.steps, engine.counters.batched_sequences
         answers = []
         keep = None
         started = time.perf_counter()
@@ -152,7 +156,8 @@ def main(args) -> int:
                 answers.append(outs)
         seconds = time.perf_counter() - started
         engine.reset_prefix_cache()
-        return seconds, engine.counters.prefill_tokens_computed - before, answers
+        batch = (engine.counters.batched_sequences - sequences) / max(1, engine.counters.steps - steps)
+        return seconds, engine.counters.prefill_tokens_computed - before, answers, batch
 
     engine = None
     if any(s.startswith("vllm") for s in args.systems):
@@ -171,22 +176,27 @@ def main(args) -> int:
         for rep in range(args.reps):
             for system in args.systems:
                 if system.startswith("vllm"):
-                    seconds, computed, answers = alone_run(engine, system == "vllm-sorted")
+                    seconds, computed, answers, batch = alone_run(engine, system == "vllm-sorted")
                 else:
                     with Client(clusters[system], set_as_default=False) as client, dask.config.set(settings):
+                        client.run(reset_prefix_caches)  # a cold cache, as vLLM alone's
+                        steps, sequences = _engine_steps(client)
                         ddf = dd.from_pandas(rows, npartitions=max(2, args.partitions))
                         started = time.perf_counter()
                         with client.as_current(), daskllm.usage() as u:
                             out = daskllm_job(ddf, job, model, max_tokens).compute()
                         seconds = time.perf_counter() - started
+                        after_steps, after_sequences = _engine_steps(client)
+                        batch = (after_sequences - sequences) / max(1, after_steps - steps)
                         computed = u.prefill_tokens_computed
                         if u.distinct_prompt_tokens is not None and u.distinct_prompt_tokens != distinct:
                             print(f"  note: {system}'s usage counts a bound of {u.distinct_prompt_tokens}", flush=True)
                         answers = [out[f"a{i}"].tolist() for i, (kind, _) in enumerate(ops) if kind == "map"]
                 r = results[system]
                 r["seconds"].append(seconds)
-                r["computed"], r["answers"] = computed, answers
-                print(f"  rep {rep} {system}: {seconds:.1f} s, prefill computed {computed}", flush=True)
+                r["computed"], r["answers"], r["batch"] = computed, answers, batch
+                print(f"  rep {rep} {system}: {seconds:.1f} s, prefill computed {computed}, mean batch {batch:.1f}",
+                      flush=True)
     finally:
         for cluster in clusters.values():
             cluster.close()
@@ -195,15 +205,26 @@ def main(args) -> int:
     reference = results.get("vllm-loop", {}).get("answers")
     loop = statistics.median(results["vllm-loop"]["seconds"]) if "vllm-loop" in results else None
     sorted_ = statistics.median(results["vllm-sorted"]["seconds"]) if "vllm-sorted" in results else None
-    print(f"\n| system | wall s | vs vllm-loop | vs vllm-sorted | prefill computed / bound | answers = vllm-loop |")
-    print("|---|---|---|---|---|---|")
+    print("\n| system | wall s | vs vllm-loop | vs vllm-sorted | prefill computed / bound | mean batch "
+          "| answers = vllm-loop |")
+    print("|---|---|---|---|---|---|---|")
     for system, r in results.items():
         wall = statistics.median(r["seconds"])
         same = "-" if reference is None else ("yes" if r["answers"] == reference else
                                              f"{_agreement(r['answers'], reference):.1%}")
         print(f"| {system} | {wall:.1f} | {loop / wall if loop else float('nan'):.2f}x | "
-              f"{sorted_ / wall if sorted_ else float('nan'):.2f}x | {r['computed'] / distinct:.2f} | {same} |")
+              f"{sorted_ / wall if sorted_ else float('nan'):.2f}x | {r['computed'] / distinct:.2f} | "
+              f"{r['batch']:.1f} | {same} |")
     return 0
+
+
+def _engine_steps(client) -> tuple[int, int]:
+    """The cluster's LLM engines' steps and the sequences they carried, summed (a step's mean
+    batch is their ratio)."""
+    from daskllm.worker import engine_stats
+
+    stats = [s for per_worker in client.run(engine_stats).values() for s in per_worker.values()]
+    return sum(s["steps"] for s in stats), sum(s["batched_sequences"] for s in stats)
 
 
 def _agreement(answers: list, reference: list) -> float:
