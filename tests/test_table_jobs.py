@@ -46,10 +46,16 @@ def client(llm_cluster, tiny_model_dir):
 @pytest.mark.timeout(240)
 def test_four_question_columns_compute_each_prefix_once_and_equal_each_column_alone(client):
     ddf = shuffled_docs()
+    (job,) = columns(ddf).llm.estimate().jobs  # the preview: each document one group of four calls
+    assert (job.calls, job.groups) == (4 * 120, 120)
     with daskllm.usage() as u:
         joint = columns(ddf).compute()
     bound = u.distinct_prompt_tokens
     assert bound > 8 * KV_CACHE_TOKENS  # the job is far larger than the cache
+    # Counted three ways: by the preview and from every prompt decoded (the job's), and by the
+    # job's group partitions (a short prefix two groups share counts in each partition holding it).
+    assert job.bound == bound <= u.prefix_bound <= 1.01 * bound
+    assert job.predicted_prefill <= 1.1 * bound
     print(f"prefill computed {u.prefill_tokens_computed} / bound {bound} = {u.prefill_tokens_computed / bound:.3f}")
     assert u.prefill_tokens_computed <= 1.1 * bound
     assert [u.operators["map"][k] for k in ("rows", "distinct", "failed")] == [4 * 120, 4 * 120, 0]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import time
 import uuid
 from collections import Counter
@@ -38,7 +39,7 @@ from dask.dataframe.dask_expr.io.io import FromPandas
 
 from daskllm.dataframe.calls import call_sampling
 from daskllm.dataframe.dedupe import call_owned, local_distinct
-from daskllm.dataframe.job import job_calls
+from daskllm.dataframe.job import group_key, head_text, job_calls, prefix_bound, run_calls
 from daskllm.dataframe.ops import KEY, Op, prompt_ids
 from daskllm.dataframe.rows import RENDERED, render
 from daskllm.prompts import tokenizer_for
@@ -78,10 +79,34 @@ class OperatorEstimate:
 
 
 @dataclass(frozen=True, slots=True)
+class JobEstimate:
+    """A table job's plan (the operators computed together, :mod:`daskllm.dataframe.job`): its
+    calls, the prefix groups its shuffle sends to one engine each, and the prefill it will
+    compute (each call's tokens past the blocks it shares with the call before it, the job's
+    calls sorted) against the least any plan could (the distinct-prefix bound)."""
+
+    operators: tuple[str, ...]
+    model: str
+    method: str
+    calls: int
+    groups: int
+    prompt_tokens: int
+    predicted_prefill: int
+    bound: int
+
+    def __str__(self) -> str:
+        ratio = self.predicted_prefill / self.bound if self.bound else 1.0
+        return (f"table job ({', '.join(self.operators)}; {self.model}, {self.method}): {self.calls} calls in "
+                f"{self.groups} prefix groups; prefill predicted {self.predicted_prefill} of {self.prompt_tokens} "
+                f"prompt tokens, against a distinct-prefix bound of {self.bound} ({ratio:.2f}x)")
+
+
+@dataclass(frozen=True, slots=True)
 class TableEstimate:
     """What ``ddf.llm.estimate()`` and ``daskllm.explain(ddf)`` return."""
 
     operators: tuple[OperatorEstimate, ...]
+    jobs: tuple[JobEstimate, ...] = ()
     # model -> measured per-token seconds and overheads, with its engines (and "remembered": from when and what)
     costs: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
@@ -93,7 +118,8 @@ class TableEstimate:
         return None if not times or None in times else sum(times)
 
     def to_dict(self) -> dict:
-        return {"operators": [{**asdict(o), "calls": o.calls} for o in self.operators], "costs": dict(self.costs),
+        return {"operators": [{**asdict(o), "calls": o.calls} for o in self.operators],
+                "jobs": [asdict(j) for j in self.jobs], "costs": dict(self.costs),
                 "seconds": self.seconds, "notes": list(self.notes)}
 
     COLUMNS = ("operator", "model", "method", "rows", "distinct", "cache_hits", "calls", "prompt_tokens",
@@ -115,7 +141,7 @@ class TableEstimate:
                     f"; unknown for the rest")
         else:
             line = "estimated time: unknown"
-        return [line, *self.notes]
+        return [*map(str, self.jobs), line, *self.notes]
 
     def __str__(self) -> str:
         rows = [list(self.COLUMNS)] + self._cells()
@@ -192,18 +218,31 @@ def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 
     notes = []
     missing = set()
     previews: dict[str, OperatorEstimate] = {}
-    for expr in operator_calls(collection):
+    kept: dict[str, Rendered] = {}  # a table job's operators: what they render
+    found = operator_calls(collection)
+    for expr in found:
         op, slots = operator_of(expr)
         above = [previews[e._name] for e in upstream_calls(expr) if e._name in previews]
         inputs = input_rows(expr, op, slots) if above else None
         if inputs is not None:  # reads only columns no LLM operator makes: rendered from them
             distinct = inputs.map_partitions(local_distinct, meta=inputs._meta)
-            preview = rendered(inputs, distinct, per_partition(expr), op, exact, sample_partitions)
+            preview = rendered(inputs, distinct, per_partition(expr), op, exact, sample_partitions, kept, expr)
         elif above and any(p.calls for p in above):
             preview = bounded(op, above)
         else:  # the first operator, or one after operators all answered by the store (rendered from it)
             keyed = new_collection(keyed_rows(expr))
-            preview = rendered(keyed, new_collection(expr.frame), per_partition(expr), op, exact, sample_partitions)
+            preview = rendered(keyed, new_collection(expr.frame), per_partition(expr), op, exact, sample_partitions,
+                               kept, expr)
+        previews[expr._name] = preview
+    jobs = []
+    for names in job_members(collection, kept):
+        job, computed = job_estimate(names, kept, previews)
+        jobs.append(job)
+        for name, tokens in computed.items():
+            previews[name] = replace(previews[name], computed_tokens=tokens)
+    for expr in found:
+        op, _ = operator_of(expr)
+        preview = previews[expr._name]
         if preview.prompt_tokens is not None and op.kind in LLM_KINDS:
             if op.model in costs:
                 preview = replace(preview, seconds=engine_seconds(preview, costs[op.model]))
@@ -219,7 +258,7 @@ def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 
     if any(p.method.startswith("upper bound") for p in previews.values()):
         notes.append("upper bound: an operator reading another's output is bounded by that one's rows; its "
                      "prompt tokens are known only once that one has run")
-    return TableEstimate(tuple(previews.values()), costs, tuple(notes))
+    return TableEstimate(tuple(previews.values()), tuple(jobs), costs, tuple(notes))
 
 
 def engine_seconds(preview: OperatorEstimate, cost: dict) -> float:
@@ -260,9 +299,12 @@ def input_rows(expr, op: Op, slots: tuple):
 
 
 def rendered(keyed, distinct_rows, per_part: bool, op: Op, exact: bool | None,
-             sample_partitions: int) -> OperatorEstimate:
+             sample_partitions: int, kept: dict | None = None, expr=None) -> OperatorEstimate:
     """Render the operator's prompts (all, or a sample of partitions) and count. ``keyed``: its
-    rows with their prompt as ``KEY``; ``distinct_rows``: each partition's distinct ones."""
+    rows with their prompt as ``KEY``; ``distinct_rows``: each partition's distinct ones.
+    A table job's operator (``expr``) keeps what it rendered in ``kept``."""
+    keep = kept if expr is not None and expr.func is job_calls else None
+    name = None if keep is None else expr._name
     if exact is None:
         exact = keyed.npartitions <= EXACT_PARTITIONS or all(
             isinstance(e, FromPandas) for e in keyed.expr.leaves())
@@ -270,14 +312,14 @@ def rendered(keyed, distinct_rows, per_part: bool, op: Op, exact: bool | None,
         distinct, rows = dask.compute(distinct_rows, keyed.shape[0])
         if not per_part:  # the table's distinct inputs, each called once
             distinct = distinct.drop_duplicates(subset=[KEY])
-        return counted(op, distinct, rows, len(distinct), "exact")
+        return counted(op, distinct, rows, len(distinct), "exact", keep, name)
     step = keyed.npartitions / sample_partitions
     picks = sorted({int(i * step) for i in range(sample_partitions)})
     sample, rows = dask.compute(keyed.partitions[picks], keyed.shape[0])
     sample = sample.dropna(subset=[KEY])
     distinct = sample.drop_duplicates(subset=[KEY])
     method = f"sampled {len(picks)} of {keyed.npartitions} partitions"
-    return counted(op, distinct, rows, distinct_count(sample[KEY], rows), method)
+    return counted(op, distinct, rows, distinct_count(sample[KEY], rows), method, keep, name)
 
 
 def distinct_count(sample: pd.Series, rows: int) -> int:
@@ -288,9 +330,10 @@ def distinct_count(sample: pd.Series, rows: int) -> int:
     return min(rows - (len(sample) - d), round(d + f1 * (f1 - 1) / (2 * (f2 + 1))))
 
 
-def counted(op: Op, distinct: pd.DataFrame, rows: int, total: int, method: str) -> OperatorEstimate:
+def counted(op: Op, distinct: pd.DataFrame, rows: int, total: int, method: str, kept: dict | None = None,
+            name: str | None = None) -> OperatorEstimate:
     """Tokens and store hits of ``distinct`` (all distinct inputs, or a sample of them standing
-    for ``total``)."""
+    for ``total``); a table job's operator keeps its calls' prompts in ``kept[name]``."""
     if op.kind not in LLM_KINDS:  # embed, search, rerank: no prefill or decode
         return OperatorEstimate(op.name, op.model, method, rows, total, 0, None, None, None)
     share = total / len(distinct) if len(distinct) else 0.0
@@ -300,8 +343,66 @@ def counted(op: Op, distinct: pd.DataFrame, rows: int, total: int, method: str) 
     todo = [i for i, s in zip(ids, stored) if not s]
     hits = round(share * sum(stored))
     calls = total - hits
+    if kept is not None:
+        kept[name] = Rendered(op, method, share, [k for k, s in zip(distinct[KEY], stored) if not s],
+                            [list(i) for i in todo])
     return OperatorEstimate(op.name, op.model, method, rows, total, hits, round(share * sum(map(len, todo))),
                             calls * output_bound(op), None, round(share * computed_tokens(todo)))
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A table job operator's calls still to run, as rendered for the preview (or a sample of
+    them, each standing for ``share`` calls)."""
+
+    op: Op
+    method: str
+    share: float
+    keys: list[str]
+    ids: list[list[int]]
+
+
+def job_members(collection, kept: dict[str, Rendered]) -> list[list[str]]:
+    """The kept operators (their expressions' names) of each table job in the collection, of
+    one model each (as a job sorts its calls): those whose calls one ``run_calls`` step runs
+    (not an earlier job's, upstream of it)."""
+    runs = [e for e in collection.expr.simplify().walk() if isinstance(e, MapPartitions) and e.func is run_calls]
+    jobs = []
+    for run in runs:
+        inner = {c._name for other in run.frame.walk() if isinstance(other, MapPartitions)
+                 and other.func is run_calls for c in other.walk() if is_call(c)}
+        mine = [c._name for c in run.frame.walk() if is_call(c) and c._name not in inner and c._name in kept]
+        by_model: dict[str, list[str]] = {}
+        for name in dict.fromkeys(mine):
+            if kept[name].op.kind in LLM_KINDS:
+                by_model.setdefault(kept[name].op.model, []).append(name)
+        jobs += [sorted(names, key=lambda n: job_number(next(c for c in run.frame.walk() if c._name == n)))
+                 for names in by_model.values()]
+    return jobs
+
+
+def job_estimate(names: list[str], kept: dict[str, Rendered],
+                 previews: dict[str, OperatorEstimate]) -> tuple[JobEstimate, dict[str, int]]:
+    """A job's groups and predicted prefill against its bound, and each operator's share of that
+    prefill (a prefix several operators share is computed by the first in sorted order)."""
+    block = dask.config.get("daskllm.engine.block-size")
+    calls = sorted((ids, name) for name in names for ids in kept[name].ids)
+    computed: dict[str, float] = dict.fromkeys(names, 0.0)
+    previous: list = []
+    for ids, name in calls:
+        shared = len(os.path.commonprefix([previous, ids]))
+        computed[name] += (len(ids) - min(shared // block * block, len(ids) - 1)) * kept[name].share
+        previous = ids
+    ops = [kept[n].op for n in names]
+    skip = len(os.path.commonprefix([head_text(op.template) for op in ops]))
+    groups = {group_key(op, key, skip) for n, op in zip(names, ops) for key in kept[n].keys}
+    share = max(kept[n].share for n in names)  # a sample stands for the rest
+    methods = sorted({kept[n].method for n in names})
+    job = JobEstimate(tuple(previews[n].operator for n in names), ops[0].model, ", ".join(methods),
+                      sum(previews[n].calls for n in names), round(len(groups) * share),
+                      sum(previews[n].prompt_tokens or 0 for n in names), round(sum(computed.values())),
+                      round(prefix_bound([ids for n in names for ids in kept[n].ids], block) * share))
+    return job, {n: round(v) for n, v in computed.items()}
 
 
 def output_bound(op: Op) -> int:

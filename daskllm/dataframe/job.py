@@ -15,10 +15,14 @@ grouped by shared prefix across rows, partitions and operators, so each prefix i
    lexicographic order of prompts is the depth-first walk of their prefix tree, so prompts that
    share a prefix are next to each other. It calls each distinct prompt once,
    whatever partitions asked for it, in *waves*: runs of sorted calls whose distinct prefix
-   tokens fit in half its engine's KV cache. A wave's calls run operator after operator on one
-   engine, so the first operator computes a prefix and the others find it cached; the next wave
-   may evict it, since nothing later needs it. That is the order that uses the cache before it
-   evicts, however much larger than the cache the job is.
+   tokens fit in ``WAVE_SHARE`` of its engine's KV cache. A wave runs in two steps: the calls
+   that start a prefix, then the calls that read it (vLLM's scheduler would have calls sent in
+   one step each compute a prefix they share); each step sends every operator's calls at once,
+   so they share engine steps. The next wave may evict those prefixes, since nothing later needs
+   them: that is the order that uses the cache before it evicts, however much larger than the
+   cache the job is. A gate lets two waves (of two tasks) fill an engine's cache together, so
+   one computes prefixes while the other reads its own. Calls the result store answers take no
+   prefill: they run last, outside the gate.
 4. **back**: the results go back to the row partitions that asked (a shuffle on ``origin``:
    partition i holds origin i), where each operator's rows look their values up.
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -40,20 +45,25 @@ from dataclasses import dataclass
 import dask.dataframe as dd
 import pandas as pd
 
-from daskllm.dataframe.calls import CallCounts, record, run, spread
+from daskllm import config
+from daskllm.dataframe.calls import CallCounts, call_sampling, record, run, spread
 from daskllm.dataframe.dedupe import local_distinct
 from daskllm.dataframe.ops import KEY, STRING, Op, full_template, prompt_ids
 from daskllm.dataframe.rows import lookup
 from daskllm.prompts import Text, parse_template
 from daskllm.runtime.view import take_view
 from daskllm.worker.host import host, in_worker
+from daskllm.worker.parts import together
+from daskllm.worker.store import are_stored
+from daskllm.worker.usage import JOB_BOUND, JOB_HEAD
 
 ORDER = "_daskllm_order"  # the sort key: model, chat flag, whole prompt text
 GROUP = "_daskllm_group"  # the shuffle key: model, chat flag, the prompt's first characters past the templates' head
 GROUP_CHARS = 256  # prompts sharing more than this past the head share a partition (~64 tokens)
 OP = "_daskllm_op"  # the operator's number in its job
 ORIGIN = "_daskllm_origin"  # the row partition that asked
-WAVE_SHARE = 0.5  # of an engine's KV cache a wave's distinct prefix tokens may fill
+GATE_SHARE = 0.8  # of an engine's KV cache the waves running on it may fill together
+WAVE_SHARE = GATE_SHARE / 2  # of it one wave's distinct prefix tokens may fill: two waves (from two tasks) overlap
 
 CALLS_META = pd.DataFrame({ORDER: pd.Series([], dtype=STRING), GROUP: pd.Series([], dtype=STRING),
                            OP: pd.Series([], dtype="int64"),
@@ -84,13 +94,24 @@ def head_text(template: str) -> str:
     return "".join(head)
 
 
+def order_head(op: Op) -> str:
+    """What a call's sort and group keys start with: its model and chat flag."""
+    return f"{op.model}\x1f{int(op.chat)}\x1f"
+
+
+def group_key(op: Op, key: str, skip: int) -> str:
+    """The shuffle key of the call of ``op`` whose rendered template is ``key`` (as
+    :func:`job_calls` makes it, for one call)."""
+    return order_head(op) + (key + suffix_text(op))[skip:skip + GROUP_CHARS]
+
+
 def job_calls(distinct: pd.DataFrame, op: Op, slots: tuple, number: int, skip: int,
               partition_info=None) -> pd.DataFrame:
     """A row partition's distinct prompts of operator ``number`` (``slots`` names the columns
     they were filled from: what :mod:`daskllm.dataframe.estimate` reads) as calls to group and
     sort; ``skip``: the characters every prompt of the job starts with."""
     keys = distinct[KEY].astype(STRING)
-    head, tail = f"{op.model}\x1f{int(op.chat)}\x1f", suffix_text(op)
+    head, tail = order_head(op), suffix_text(op)
     text = keys + tail
     return pd.DataFrame({ORDER: (head + text).astype(STRING),
                          GROUP: (head + text.str.slice(skip, skip + GROUP_CHARS)).astype(STRING),
@@ -110,24 +131,64 @@ def run_calls(calls: pd.DataFrame, ops: tuple[Op, ...], here: tuple[bool, ...]) 
         host().wait_loaded()
     counts = [CallCounts() for _ in ops]
     results = []
-    for wave, ids, gate, tokens in waves(distinct, ops):
-        numbers = wave[OP].tolist()
-        with gate.hold(tokens):
-            for number in sorted(set(numbers)):
-                mine = [i for i, n in enumerate(numbers) if n == number]
-                frame, done = run(wave.iloc[mine][[KEY]], keyed(ops[number]), (KEY,), here[number],
-                                  None if ids is None else [ids[i] for i in mine])
-                counts[number].add(done)
-                results.append(frame.assign(**{OP: number}))
+    every = waves(distinct, ops)
+    for wave in every:
+        with wave.gate.hold(wave.tokens):
+            for phase in wave.phases():
+                # One run per operator, all at once: their requests join the same engine steps.
+                numbers = sorted(set(wave.calls[OP].iloc[phase]))
+                mine = [[i for i in phase if wave.calls[OP].iat[i] == number] for number in numbers]
+                done = together([functools.partial(run, wave.calls.iloc[rows][[KEY]], keyed(ops[number]), (KEY,),
+                                                   here[number], wave.ids_of(rows))
+                                 for number, rows in zip(numbers, mine)])
+                for number, (frame, c) in zip(numbers, done):
+                    counts[number].add(c)
+                    results.append(frame.assign(**{OP: number}))
+    bound = partition_bound(every)
     for number, (op, c) in enumerate(zip(ops, counts)):
         if c.distinct:
-            record(op.name, started=started, tag=f"-{number}", **dataclasses.asdict(c))
+            record(op.name, started=started, tag=f"-{number}", extra=bound, **dataclasses.asdict(c))
+            bound = {}  # one record of the partition carries it
     values = pd.concat(results, ignore_index=True)
     asked = calls[[OP, KEY, ORIGIN]].reset_index(drop=True)
     return asked.merge(values, on=[OP, KEY], how="left")[list(RESULTS_META.columns)]
 
 
-def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[tuple[pd.DataFrame, list | None, TokenGate, int]]:
+@dataclass(frozen=True)
+class Wave:
+    """A run of sorted distinct calls, and what it takes of its engine's cache.
+
+    ``shared[i]``: the tokens call ``i`` shares with the call before it (None where its
+    engine is not resident here, so its prompts were not tokenized)."""
+
+    calls: pd.DataFrame
+    ids: list | None
+    shared: list[int] | None
+    gate: TokenGate
+    tokens: int
+    stored: bool = False  # calls the result store answers (no prefill)
+
+    def ids_of(self, rows: list[int]) -> list | None:
+        return None if self.ids is None else [self.ids[i] for i in rows]
+
+    def phases(self) -> list[list[int]]:
+        """The calls that compute a prefix (each first of those sharing at least
+        ``prefix-min-tokens`` with the one before), then the calls that read it: run in one
+        engine step, calls that share a prefix would each compute it (vLLM's scheduler does not
+        wait for a prefix another request is computing). Where the prompts are unknown, one
+        phase per operator, in order; calls the result store answers, all at once."""
+        if self.stored:
+            return [list(range(len(self.calls)))]
+        if self.shared is None:
+            numbers = self.calls[OP].tolist()
+            return [[i for i, n in enumerate(numbers) if n == number] for number in sorted(set(numbers))]
+        least = int(config.get("rewrite.prefix-min-tokens"))
+        first = [i for i, n in enumerate(self.shared) if n < least]
+        rest = [i for i, n in enumerate(self.shared) if n >= least]
+        return [first, rest] if rest else [first]
+
+
+def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[Wave]:
     """Sorted calls cut into runs whose distinct prefix tokens (each prompt's tokens past its
     common prefix with the one before it: the nodes of their prefix tree) fit in ``WAVE_SHARE``
     of the engine's KV cache, each with its prompts' token ids (so they are not tokenized
@@ -135,25 +196,66 @@ def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[tuple[pd.DataFram
     resident here (its calls tokenize their prompts themselves)."""
     gates = {op.model: gate(op.model) for op in ops}
     if len(set(gates.values())) != 1 or next(iter(gates.values())) is OPEN:  # several models, or none here
-        return [(distinct, None, OPEN, 0)]
+        return [Wave(distinct, None, None, OPEN, 0)]
     the_gate = next(iter(gates.values()))
     ids: list = [None] * len(distinct)
+    stored = [False] * len(distinct)
     numbers = distinct[OP].tolist()
     for number in set(numbers):
         where = [i for i, n in enumerate(numbers) if n == number]
-        for i, tokens in zip(where, prompt_ids(distinct.iloc[where][[KEY]], keyed(ops[number]))):
-            ids[i] = tokens
+        mine = prompt_ids(distinct.iloc[where][[KEY]], keyed(ops[number]))
+        answered = are_stored(ops[number].model, mine, call_sampling(ops[number]))
+        for i, tokens, known in zip(where, mine, answered):
+            ids[i], stored[i] = tokens, known
+    # Calls the result store answers take no prefill: they run last, together, outside the gate.
+    fresh = [i for i in range(len(ids)) if not stored[i]]
+    kept = [i for i in range(len(ids)) if stored[i]]
+    tail = [Wave(distinct.iloc[kept], [ids[i] for i in kept], None, OPEN, 0, stored=True)] if kept else []
+    calls, ids = distinct.iloc[fresh], [ids[i] for i in fresh]
+    shared = [0] * len(ids)
     out, start, filled, previous = [], 0, 0, ()
     for i, tokens in enumerate(ids):
-        new = len(tokens) - len(os.path.commonprefix([previous, tokens]))
-        if i > start and filled + new > the_gate.limit:
-            out.append((distinct.iloc[start:i], ids[start:i], the_gate, filled))
+        shared[i] = len(os.path.commonprefix([previous, tokens]))
+        new = len(tokens) - shared[i]
+        if i > start and filled + new > the_gate.limit // 2:
+            out.append(Wave(calls.iloc[start:i], ids[start:i], [0] + shared[start + 1:i], the_gate, filled))
             start, filled = i, len(tokens)
         else:
             filled += new
         previous = tokens
-    out.append((distinct.iloc[start:], ids[start:], the_gate, filled))
-    return out
+    if ids:
+        out.append(Wave(calls.iloc[start:], ids[start:], [0] + shared[start + 1:], the_gate, filled))
+    return out + tail
+
+
+def partition_bound(every: list[Wave]) -> dict:
+    """What a partition's record says of its calls' distinct-prefix bound (nothing where its
+    prompts were not tokenized here): the bound past the full blocks all of them share, and
+    those blocks, named (``JOB_HEAD``): every partition of a job shares them (a chat template's
+    preamble, the templates' first words), and usage counts them once."""
+    if any(w.ids is None for w in every):
+        return {}
+    prompts = [ids for w in every if not w.stored for ids in w.ids]
+    if not prompts:
+        return {JOB_BOUND: 0}
+    block = next(w.gate.block for w in every if not w.stored)
+    head = len(os.path.commonprefix(prompts)) // block
+    # The last token of a prompt is always computed: a head block is one all prompts extend.
+    head = min([head] + [(len(p) - 1) // block for p in prompts])
+    named = [hash(tuple(prompts[0][:(i + 1) * block])) for i in range(head)]  # ints and tuples hash alike everywhere
+    return {JOB_BOUND: prefix_bound(prompts, block) - head * block, JOB_HEAD: [[h, block] for h in named]}
+
+
+def prefix_bound(prompts: list, block: int) -> int:
+    """The least prefill a paged prefix cache of ``block``-token blocks can do for ``prompts``
+    (token ids): their distinct full blocks (the nodes of their prefix tree), plus each distinct
+    prompt's partial last block (no other prompt can read it)."""
+    total, previous = 0, ()
+    for tokens in sorted(set(map(tuple, prompts))):
+        shared = len(os.path.commonprefix([previous, tokens])) // block
+        total += (len(tokens) // block - min(shared, len(tokens) // block)) * block + len(tokens) % block
+        previous = tokens
+    return total
 
 
 class TokenGate:
@@ -161,8 +263,9 @@ class TokenGate:
     ``limit``: tasks on one worker share its engine's cache, so a wave waits while the others'
     would leave it no room (it would evict their prefixes before they are read)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, block: int = 1):
         self.limit = limit
+        self.block = block  # its engine's KV block size
         self._used = 0
         self._changed = threading.Condition()
 
@@ -186,7 +289,7 @@ _gates_lock = threading.Lock()
 
 
 def gate(model: str) -> TokenGate:
-    """This worker's gate for ``model``'s engine (``WAVE_SHARE`` of its KV cache), or
+    """This worker's gate for ``model``'s engine (``GATE_SHARE`` of its KV cache), or
     :data:`OPEN` where it has no such engine."""
     if not in_worker():
         return OPEN
@@ -194,9 +297,9 @@ def gate(model: str) -> TokenGate:
     if engine is None:
         return OPEN
     state = engine.cache_state()
-    limit = int(state.num_blocks * state.block_size * WAVE_SHARE)
+    limit = int(state.num_blocks * state.block_size * GATE_SHARE)
     with _gates_lock:
-        return _gates.setdefault((engine.name, limit), TokenGate(limit))
+        return _gates.setdefault((engine.name, limit), TokenGate(limit, state.block_size))
 
 
 def lookup_op(rows: pd.DataFrame, results: pd.DataFrame, number: int, op_name: str, on_error: str,

@@ -26,7 +26,7 @@ from daskllm.ledger import ledger_records
 from daskllm.ops.generate import GENERATE
 from daskllm.ops.prefill import PREFILL
 from daskllm.worker.host import PLUGIN_NAME, local_host
-from daskllm.worker.usage import DATAFRAME, USAGE_TOPIC, TaskUsage
+from daskllm.worker.usage import DATAFRAME, JOB_BOUND, JOB_HEAD, USAGE_TOPIC, TaskUsage
 
 # Process-wide, not per context: Dask may lower a graph on another thread than the caller's.
 _active: list[Usage] = []
@@ -50,6 +50,10 @@ class Usage:
     # With daskllm.metering.prompt-blocks: the distinct tokens in the prefix tree of every
     # prompt decoded (block-granular), the least prefill any plan could do; else None.
     distinct_prompt_tokens: int | None = None
+    # Table jobs (ddf.llm operators computed together): the least prefill their calls could
+    # take, each shuffle partition's distinct full KV blocks plus each distinct prompt's partial
+    # last block (a shared prefix's calls share a partition); None where none ran.
+    prefix_bound: int | None = None
     # Where the block's wall time went: planning on this client (every plan made here, a
     # cached plan costing ~0), and per engine ("llm:tiny", ...) how many engines ran and the
     # seconds they spent in steps (the engines' own busy_seconds counters, summed).
@@ -83,7 +87,8 @@ class Usage:
                 "prefill_tokens_computed": self.prefill_tokens_computed,
                 "prefill_tokens_cached": self.prefill_tokens_cached, "decode_tokens": self.decode_tokens,
                 "tasks": dict(self.tasks), "operators": dict(self.operators), "models": dict(self.models),
-                "distinct_prompt_tokens": self.distinct_prompt_tokens, "wall_seconds": self.wall_seconds,
+                "distinct_prompt_tokens": self.distinct_prompt_tokens, "prefix_bound": self.prefix_bound,
+                "wall_seconds": self.wall_seconds,
                 "planning_seconds": self.planning_seconds, "engines": dict(self.engines),
                 "engine_seconds": self.engine_seconds, "time_split": self.time_split()}
 
@@ -92,7 +97,8 @@ class Usage:
         lines = [f"{'op':<10}{'requested':>11}{'executed':>10}{'from cache':>12}"]
         lines += [f"{op:<10}{self.requested.get(op, 0):>11}{self.executed.get(op, 0):>10}"
                   f"{self.from_cache.get(op, 0):>12}" for op in ops]
-        lines.append(f"prefill tokens: {self.prefill_tokens_computed} computed, {self.prefill_tokens_cached} "
+        bound = "" if self.prefix_bound is None else f" (table jobs' distinct-prefix bound: {self.prefix_bound})"
+        lines.append(f"prefill tokens: {self.prefill_tokens_computed} computed{bound}, {self.prefill_tokens_cached} "
                      f"from cache; decode tokens: {self.decode_tokens}")
         for name, stats in self.operators.items():
             lines.append(f"ddf.llm.{name}: {stats['rows']} rows, {stats['distinct']} distinct inputs, "
@@ -111,6 +117,7 @@ class Usage:
         started inside the block: this run's own work, done by a try of the task whose worker died."""
         blocks: set = set()
         tails: dict = {}
+        heads: dict = {}  # the table jobs' shared blocks: hash -> tokens
         for record in records.values():
             op = record.op
             redone = record.stored_since(since)
@@ -148,10 +155,17 @@ class Usage:
                 cached = sum(records[c].from_cache - records[c].stored_since(since).calls
                              for c in record.children if c in records)
                 stats["from_cache"] += cached
+                if JOB_BOUND in record.extra:
+                    self.prefix_bound = (self.prefix_bound or 0) + record.extra[JOB_BOUND]
+                    heads.update((h, n) for h, n in record.extra.get(JOB_HEAD, ()))
                 # Operator-specific figures (a cascade's): counts add up, the rest (thresholds) is kept.
                 for k, v in record.extra.items():
+                    if k in (JOB_BOUND, JOB_HEAD):
+                        continue
                     stats[k] = stats.get(k, 0) + v if isinstance(v, int) else v
                 stats["executed"] -= cached
+        if self.prefix_bound is not None:
+            self.prefix_bound += sum(heads.values())
         if blocks or tails:
             bs = config.get("engine.block-size")
             for model, per_model in self.models.items():

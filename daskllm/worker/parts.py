@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import dask.threaded
@@ -98,6 +98,18 @@ def _run(graph, keys: list, local: bool) -> list:
             return list(dask.threaded.get(graph, keys, pool=_InWorker(_pool())))
     with worker_client(separate_thread=True) as client:
         return gathered(client, client.get(graph, keys, sync=False))
+
+
+def together(calls: list) -> list:
+    """The values of ``calls`` (functions of no argument), run at once on this process's shared
+    threads as work of this worker task (its engines, its usage log, its cancellation): their
+    engine requests join the same engine steps. The first error is raised once all are done."""
+    if len(calls) <= 1:
+        return [c() for c in calls]
+    pool = _InWorker(_pool())
+    futures = [pool.submit(c) for c in calls]
+    wait(futures)
+    return [f.result() for f in futures]
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -17,6 +17,10 @@ DATAFRAME = "dataframe"  # the op of a ddf.llm operator's records (not a task ty
 # The scheduler's event topic of every record: the scheduler keeps them (daskllm.ledger), so a
 # record outlives the worker that made it.
 USAGE_TOPIC = "daskllm-usage"
+# A table job partition's record (``extra``): its calls' distinct-prefix bound in tokens, past
+# the full KV blocks they all share, and those blocks ([hash, tokens] each; usage counts each once).
+JOB_BOUND = "prefix_bound"
+JOB_HEAD = "prefix_head"
 
 
 @dataclass(frozen=True, slots=True)
