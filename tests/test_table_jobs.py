@@ -68,19 +68,24 @@ def test_four_question_columns_compute_each_prefix_once_and_equal_each_column_al
 
 
 @pytest.mark.timeout(240)
-def test_a_filter_joins_the_columns_job_and_an_operator_on_their_output_starts_another(client):
+def test_a_map_after_a_filter_joins_its_job_and_runs_only_on_the_rows_it_keeps(client):
+    """filter -> map on the same documents: one job, the map's calls conditional on the
+    filter's yes, run while the document the two share is in the cache; an operator reading the
+    map's output starts a job of its own."""
     ddf = shuffled_docs(rows=24, npartitions=3)
-    mapped = ddf.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a")
-    kept = mapped.llm.filter(TEMPLATE + "Is this about files?", model="tiny")
-    after = kept.llm.map("Rephrase: {a}", model="tiny", max_tokens=4, out="b")  # reads the map's answers
-    assert getattr(mapped, JOB).members[0].op.name == "map"
-    assert getattr(kept, JOB, None) is None  # after a filter, which rows there are depends on answers
+    kept = ddf.llm.filter(TEMPLATE + "Is this about files?", model="tiny")
+    mapped = kept.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a")
+    after = mapped.llm.map("Rephrase: {a}", model="tiny", max_tokens=4, out="b")  # reads the map's answers
+    assert [(m.op.name, m.when) for m in getattr(mapped, JOB).members] == [("filter", ()), ("map", (0,))]
     assert [m.op.name for m in getattr(after, JOB).members] == ["map"]  # a job of its own
     with daskllm.usage() as u:
         joint = after.compute()
-    assert u.operators["map"]["distinct"] == 24 + len(joint) and u.operators["filter"]["distinct"] == 24
-    alone_map = ddf.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a").compute()
     alone_kept = ddf.llm.filter(TEMPLATE + "Is this about files?", model="tiny").compute()
+    assert 0 < len(alone_kept) < 24  # the filter keeps some rows, not all: the map's calls are conditional
+    assert u.operators["filter"]["distinct"] == 24
+    assert u.operators["map"]["distinct"] == 2 * len(alone_kept)  # the map (kept rows only), then the rephrasing
+    assert u.prefill_tokens_computed <= 1.1 * u.distinct_prompt_tokens
+    alone_map = ddf.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a").compute()
     assert joint.index.tolist() == alone_kept.index.tolist()
     assert joint["a"].tolist() == alone_map.loc[alone_kept.index, "a"].tolist()
     rephrased = dd.from_pandas(alone_map.loc[alone_kept.index], npartitions=1).llm.map(

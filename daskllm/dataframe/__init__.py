@@ -14,7 +14,8 @@ added one after another to the same rows are one table job (:mod:`daskllm.datafr
    whichever rows, partitions and operators they came from (identical prompts too: each is
    called once);
 3. **call**: each group partition sorts its prompts and runs them in waves that fit its
-   engine's KV cache, operator after operator, so each shared prefix is computed once; run
+   engine's KV cache: the calls that start a prefix, then every call that reads it, then the
+   calls after a filter that it said yes to, so each shared prefix is computed once; run
    from the task, on its worker's engines where it holds them (tasks from tasks);
 4. **back**: the results go back to the row partitions that asked, which look their rows up.
 
@@ -26,7 +27,7 @@ with the reason in ``<out>_error`` (``on_error="null"``); the other rows finish 
 
 from daskllm.budget import Budget
 from daskllm.dataframe.accessor import LLMAccessor, LLMSeriesAccessor
-from daskllm.dataframe.estimate import OperatorEstimate, TableEstimate, calibrate, estimate
+from daskllm.dataframe.estimate import JobEstimate, OperatorEstimate, TableEstimate, calibrate, estimate
 from daskllm.dataframe.progress import progress
 from daskllm.dataframe.ops import BudgetExceeded, Op, RowError
 from daskllm.dataframe.schema import arrow_types
@@ -34,5 +35,6 @@ from daskllm.dataframe import roundtrip
 
 roundtrip.register()  # nested Arrow columns read back from parquet with no reader option
 
-__all__ = ["Budget", "BudgetExceeded", "LLMAccessor", "LLMSeriesAccessor", "Op", "OperatorEstimate", "RowError",
+__all__ = ["Budget", "BudgetExceeded", "JobEstimate", "LLMAccessor", "LLMSeriesAccessor", "Op", "OperatorEstimate",
+           "RowError",
            "TableEstimate", "arrow_types", "calibrate", "estimate", "progress"]

@@ -89,7 +89,8 @@ class LLMAccessor:
         assigned, or the rows ``mask`` (its results -> a boolean series) keeps. With
         ``dedupe="auto"`` its calls are planned with the rest of its table job
         (:mod:`daskllm.dataframe.job`): it joins the job of the frame it is applied to where it
-        reads none of that job's outputs."""
+        reads none of that job's outputs (after a filter of the job, called only for the rows
+        the filter keeps)."""
         if on_error not in ("raise", "null"):
             raise ValueError(f"on_error must be 'raise' or 'null', got {on_error!r}")
         if dedupe not in STRATEGIES:
@@ -100,11 +101,9 @@ class LLMAccessor:
         member = Member(op, slots, functools.partial(_render, template=template, slots=slots, nulls=check_nulls(nulls)),
                         on_error, dtype, columns, mask, made)
         job = getattr(self._ddf, JOB, None)
-        job = TableJob(job.base, job.members + (member,)) if job is not None and job.joins(slots) \
-            else TableJob(self._ddf, (member,))
+        job = job.joined(member) if job is not None and job.joins(slots) else TableJob(self._ddf, (member,))
         out = job.frame()
-        if mask is None:  # after a filter, the next operator's rows depend on this job's answers
-            object.__setattr__(out, JOB, job)
+        object.__setattr__(out, JOB, job)
         return out
 
     @staticmethod

@@ -26,7 +26,7 @@ import pandas as pd
 from pandas.util import hash_pandas_object
 
 from daskllm.dataframe.calls import call, spread
-from daskllm.dataframe.ops import KEY, STRING, Op
+from daskllm.dataframe.ops import KEY, STRING, WHEN, Op
 
 STRATEGIES = ("auto", "local", "global")
 # Two 64-bit hashes of a key with different hash keys: a 128-bit identity, collisions ~1e-29 at 1e5 keys.
@@ -37,7 +37,10 @@ RESULT_META = pd.DataFrame({KEY: pd.Series([], dtype=STRING), "value": pd.Series
 
 
 def local_distinct(frame: pd.DataFrame) -> pd.DataFrame:
-    """A partition's distinct inputs (rows whose key is null have none)."""
+    """A partition's distinct inputs (rows whose key is null have none); a table job's
+    conditional calls, by input and conditions (a row whose conditions are null has none)."""
+    if WHEN in frame.columns:
+        return frame.dropna(subset=[KEY, WHEN]).drop_duplicates(subset=[KEY, WHEN])
     return frame.dropna(subset=[KEY]).drop_duplicates(subset=[KEY])
 
 

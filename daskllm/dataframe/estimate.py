@@ -40,7 +40,7 @@ from dask.dataframe.dask_expr.io.io import FromPandas
 from daskllm.dataframe.calls import call_sampling
 from daskllm.dataframe.dedupe import call_owned, local_distinct
 from daskllm.dataframe.job import group_key, head_text, job_calls, prefix_bound, run_calls
-from daskllm.dataframe.ops import KEY, Op, prompt_ids
+from daskllm.dataframe.ops import KEY, WHEN, Op, prompt_ids
 from daskllm.dataframe.rows import RENDERED, render
 from daskllm.prompts import tokenizer_for
 from daskllm.runtime.metering import usage
@@ -233,6 +233,8 @@ def estimate(collection, *, exact: bool | None = None, sample_partitions: int = 
             keyed = new_collection(keyed_rows(expr))
             preview = rendered(keyed, new_collection(expr.frame), per_partition(expr), op, exact, sample_partitions,
                                kept, expr)
+        if WHEN in expr.frame._meta.columns:  # a table job's call after its filter: on the rows it keeps
+            preview = replace(preview, method=f"upper bound ({preview.method}; runs on the rows the filter keeps)")
         previews[expr._name] = preview
     jobs = []
     for names in job_members(collection, kept):

@@ -22,20 +22,22 @@ grouped by shared prefix across rows, partitions and operators, so each prefix i
    them: that is the order that uses the cache before it evicts, however much larger than the
    cache the job is. A gate lets two waves (of two tasks) fill an engine's cache together, so
    one computes prefixes while the other reads its own. Calls the result store answers take no
-   prefill: they run last, outside the gate.
+   prefill: they run last, outside the gate. A *conditional* call (an operator after a filter
+   of the job, on the rows it keeps) is shuffled with its row's filter call and runs in that
+   call's wave once the filter has said yes: the document they share is still in the cache.
 4. **back**: the results go back to the row partitions that asked (a shuffle on ``origin``:
    partition i holds origin i), where each operator's rows look their values up.
 
 Several operators are one job where a user adds them one after another to the same rows
-(``ddf.llm.map(a).llm.map(b).llm.filter(c)``): see :class:`TableJob`. Whatever the grouping, a
+(``ddf.llm.map(a).llm.filter(b).llm.map(c)``): see :class:`TableJob`. Whatever the grouping, a
 call is the same call (the same prompt and sampling), so it returns the same tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import threading
 import time
@@ -43,12 +45,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import dask.dataframe as dd
+import numpy as np
 import pandas as pd
 
 from daskllm import config
 from daskllm.dataframe.calls import CallCounts, call_sampling, record, run, spread
 from daskllm.dataframe.dedupe import local_distinct
-from daskllm.dataframe.ops import KEY, STRING, Op, full_template, prompt_ids
+from daskllm.dataframe.ops import KEY, STRING, WHEN, Op, full_template, prompt_ids
 from daskllm.dataframe.rows import lookup
 from daskllm.prompts import Text, parse_template
 from daskllm.runtime.view import take_view
@@ -62,12 +65,14 @@ GROUP = "_daskllm_group"  # the shuffle key: model, chat flag, the prompt's firs
 GROUP_CHARS = 256  # prompts sharing more than this past the head share a partition (~64 tokens)
 OP = "_daskllm_op"  # the operator's number in its job
 ORIGIN = "_daskllm_origin"  # the row partition that asked
+WHEN_GROUP = "_daskllm_when_group"  # a conditional call's shuffle key: its first condition's
 GATE_SHARE = 0.8  # of an engine's KV cache the waves running on it may fill together
-WAVE_SHARE = GATE_SHARE / 2  # of it one wave's distinct prefix tokens may fill: two waves (from two tasks) overlap
+WAVE_SHARE = GATE_SHARE / 2  # of it one wave's distinct prefix tokens may fill: two waves (of two tasks) at once
 
 CALLS_META = pd.DataFrame({ORDER: pd.Series([], dtype=STRING), GROUP: pd.Series([], dtype=STRING),
-                           OP: pd.Series([], dtype="int64"),
-                           KEY: pd.Series([], dtype=STRING), ORIGIN: pd.Series([], dtype="int64")})
+                           OP: pd.Series([], dtype="int64"), KEY: pd.Series([], dtype=STRING),
+                           ORIGIN: pd.Series([], dtype="int64"), WHEN: pd.Series([], dtype=STRING)})
+WHEN_META = pd.DataFrame({WHEN: pd.Series([], dtype=STRING), WHEN_GROUP: pd.Series([], dtype=STRING)})
 RESULTS_META = pd.DataFrame({OP: pd.Series([], dtype="int64"), KEY: pd.Series([], dtype=STRING),
                              ORIGIN: pd.Series([], dtype="int64"), "value": pd.Series([], dtype=object),
                              "error": pd.Series([], dtype=STRING)})
@@ -113,45 +118,140 @@ def job_calls(distinct: pd.DataFrame, op: Op, slots: tuple, number: int, skip: i
     keys = distinct[KEY].astype(STRING)
     head, tail = order_head(op), suffix_text(op)
     text = keys + tail
-    return pd.DataFrame({ORDER: (head + text).astype(STRING),
-                         GROUP: (head + text.str.slice(skip, skip + GROUP_CHARS)).astype(STRING),
+    if WHEN in distinct.columns:  # conditional: grouped with the filter call it waits for
+        when, group = distinct[WHEN].astype(STRING), distinct[WHEN_GROUP].astype(STRING)
+    else:
+        when = pd.Series(None, index=keys.index, dtype=STRING)
+        group = (head + text.str.slice(skip, skip + GROUP_CHARS)).astype(STRING)
+    return pd.DataFrame({ORDER: (head + text).astype(STRING), GROUP: group,
                          OP: pd.Series(number, index=keys.index, dtype="int64"), KEY: keys,
-                         ORIGIN: pd.Series(partition_info["number"], index=keys.index, dtype="int64")})
+                         ORIGIN: pd.Series(partition_info["number"], index=keys.index, dtype="int64"), WHEN: when})
+
+
+def key_hash(key: str) -> str:
+    """A prompt's short name in a conditional call's conditions."""
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def conditions(*keys: pd.Series, numbers: tuple[int, ...], first: Op, skip: int) -> pd.DataFrame:
+    """Per row, the filter calls (of members ``numbers``, whose prompts are ``keys``) an
+    operator after them runs on: its call's ``WHEN``, and its shuffle key, that of the first
+    filter's call (``first``), so it lands in the partition that runs that call. A row one of
+    whose filters has no prompt (a render error) has none: the filter drops it."""
+    columns = [k.tolist() for k in keys]
+    whens, groups = [], []
+    for row in zip(*columns):
+        if all(isinstance(k, str) for k in row):
+            whens.append(";".join(f"{n}:{key_hash(k)}" for n, k in zip(numbers, row)))
+            groups.append(group_key(first, row[0], skip))
+        else:
+            whens.append(None)
+            groups.append(None)
+    index = keys[0].index
+    return pd.DataFrame({WHEN: pd.Series(whens, index=index, dtype=STRING),
+                         WHEN_GROUP: pd.Series(groups, index=index, dtype=STRING)})
 
 
 def run_calls(calls: pd.DataFrame, ops: tuple[Op, ...], here: tuple[bool, ...]) -> pd.DataFrame:
     """A partition of sorted calls: each distinct one run once, in waves (module docstring);
-    a result for every ``(op, KEY, origin)`` that asked."""
+    a result for every ``(op, KEY, origin)`` that asked (no value for a conditional call whose
+    filter said no)."""
     if calls.empty:
         return RESULTS_META.copy()
     started = time.time()
     calls = calls.sort_values(ORDER, kind="stable")
-    distinct = calls.drop_duplicates(subset=[OP, KEY])
+    conditional = calls[WHEN].notna()
+    distinct = calls[~conditional].drop_duplicates(subset=[OP, KEY])
     if in_worker():  # tokenizing loads a tokenizer: transformers' lazy imports race with the engines' loading
         host().wait_loaded()
-    counts = [CallCounts() for _ in ops]
-    results = []
     every = waves(distinct, ops)
-    for wave in every:
-        with wave.gate.hold(wave.tokens):
-            for phase in wave.phases():
-                # One run per operator, all at once: their requests join the same engine steps.
-                numbers = sorted(set(wave.calls[OP].iloc[phase]))
-                mine = [[i for i in phase if wave.calls[OP].iat[i] == number] for number in numbers]
-                done = together([functools.partial(run, wave.calls.iloc[rows][[KEY]], keyed(ops[number]), (KEY,),
-                                                   here[number], wave.ids_of(rows))
-                                 for number, rows in zip(numbers, mine)])
-                for number, (frame, c) in zip(numbers, done):
-                    counts[number].add(c)
-                    results.append(frame.assign(**{OP: number}))
-    bound = partition_bound(every)
-    for number, (op, c) in enumerate(zip(ops, counts)):
+    runs = Runs(ops, here)
+    for wave, after in zip(every, attach(calls[conditional].drop_duplicates(subset=[OP, KEY, WHEN]), every)):
+        runs.wave(wave, after)
+    block = next((w.gate.block for w in every if w.gate is not OPEN), None)
+    bound = partition_bound([ids for w in every if not w.stored for ids in w.ids or ()] + runs.fresh_ids, block) \
+        if block is not None and all(w.ids is not None for w in every) else {}
+    for number, (op, c) in enumerate(zip(ops, runs.counts)):
         if c.distinct:
             record(op.name, started=started, tag=f"-{number}", extra=bound, **dataclasses.asdict(c))
             bound = {}  # one record of the partition carries it
-    values = pd.concat(results, ignore_index=True)
-    asked = calls[[OP, KEY, ORIGIN]].reset_index(drop=True)
-    return asked.merge(values, on=[OP, KEY], how="left")[list(RESULTS_META.columns)]
+    values = pd.concat(runs.results, ignore_index=True) if runs.results else RESULTS_META[[KEY, "value", "error", OP]]
+    asked = calls[[OP, KEY, ORIGIN]].drop_duplicates().reset_index(drop=True)
+    return asked.merge(values.drop_duplicates(subset=[OP, KEY]), on=[OP, KEY], how="left")[list(RESULTS_META.columns)]
+
+
+class Runs:
+    """A partition's calls as they run: their results and counts per operator, and what each
+    filter said of each prompt (the conditions of the calls after it)."""
+
+    def __init__(self, ops: tuple[Op, ...], here: tuple[bool, ...]):
+        self.ops, self.here = ops, here
+        self.counts = [CallCounts() for _ in ops]
+        self.results: list[pd.DataFrame] = []
+        self.said: dict[str, bool] = {}  # "number:hash" -> the filter said yes
+        self.done: set[tuple[int, str]] = set()  # conditional calls run
+        self.fresh_ids: list = []  # prompts of conditional calls the result store did not answer
+
+    def run(self, calls: pd.DataFrame, ids: list | None = None) -> None:
+        """Run ``calls``: one run per operator, all at once (their requests join the same engine steps)."""
+        if calls.empty:
+            return
+        numbers = calls[OP].tolist()
+        mine = {n: [i for i, m in enumerate(numbers) if m == n] for n in sorted(set(numbers))}
+        done = together([functools.partial(run, calls.iloc[rows][[KEY]], keyed(self.ops[n]), (KEY,), self.here[n],
+                                           None if ids is None else [ids[i] for i in rows])
+                         for n, rows in mine.items()])
+        for n, (frame, c) in zip(mine, done):
+            self.counts[n].add(c)
+            self.results.append(frame.assign(**{OP: n}))
+            if self.ops[n].kind == "filter":
+                self.said.update((f"{n}:{key_hash(k)}", v is True) for k, v in zip(frame[KEY], frame["value"]))
+
+    def wave(self, wave: Wave, after: pd.DataFrame) -> None:
+        """A wave, once its engine's gate lets its tokens in: its steps, then the calls ``after``
+        its filters that they said yes to; then its tokens leave the gate."""
+        tokens = wave.gate.take(wave.tokens)
+        try:
+            for phase in wave.phases():
+                self.run(wave.calls.iloc[phase], wave.ids_of(phase))
+            while not after.empty:  # the calls after a filter, once it has said yes
+                ready, after = self.decided(after)
+                if ready.empty:
+                    break
+                self.run(ready)
+        finally:
+            wave.gate.give(tokens)
+
+    def decided(self, after: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """Of the conditional calls ``after``, those every filter of has said yes to (each once,
+        tokenized: their ids go to the bound), and those still waiting for a filter; the rest
+        (a filter said no) are dropped."""
+        conditions = [w.split(";") for w in after[WHEN]]
+        known = [all(c in self.said for c in cs) for cs in conditions]
+        passed = [k and all(self.said[c] for c in cs) for k, cs in zip(known, conditions)]
+        ready = after[np.array(passed, dtype=bool)]
+        fresh = np.array([(n, k) not in self.done for n, k in zip(ready[OP], ready[KEY])], dtype=bool)
+        ready = ready[fresh].drop_duplicates(subset=[OP, KEY])
+        self.done.update(zip(ready[OP], ready[KEY]))
+        if in_worker() and not ready.empty and gate(self.ops[int(ready[OP].iat[0])].model) is not OPEN:
+            for n in sorted(set(ready[OP])):
+                mine = ready[ready[OP] == n]
+                ids = prompt_ids(mine[[KEY]], keyed(self.ops[n]))
+                stored = are_stored(self.ops[n].model, ids, call_sampling(self.ops[n]))
+                self.fresh_ids += [i for i, s in zip(ids, stored) if not s]
+        return ready, after[~np.array(known, dtype=bool)]
+
+
+def attach(conditional: pd.DataFrame, every: list[Wave]) -> list[pd.DataFrame]:
+    """Per wave, the conditional calls whose first filter call it runs (so a call after a filter
+    runs while the prompt it shares with that filter's is in the cache); the last wave takes
+    those whose filter call none runs."""
+    where = {}
+    for i, wave in enumerate(every):
+        where.update((f"{n}:{key_hash(k)}", i) for n, k in zip(wave.calls[OP], wave.calls[KEY]))
+    at = [where.get(w.split(";", 1)[0], len(every) - 1) for w in conditional[WHEN]]
+    at = np.array(at, dtype=int)
+    return [conditional[at == i] for i in range(len(every))]
 
 
 @dataclass(frozen=True)
@@ -228,17 +328,13 @@ def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[Wave]:
     return out + tail
 
 
-def partition_bound(every: list[Wave]) -> dict:
-    """What a partition's record says of its calls' distinct-prefix bound (nothing where its
-    prompts were not tokenized here): the bound past the full blocks all of them share, and
-    those blocks, named (``JOB_HEAD``): every partition of a job shares them (a chat template's
-    preamble, the templates' first words), and usage counts them once."""
-    if any(w.ids is None for w in every):
-        return {}
-    prompts = [ids for w in every if not w.stored for ids in w.ids]
+def partition_bound(prompts: list, block: int) -> dict:
+    """What a partition's record says of the distinct-prefix bound of the prompts it computed:
+    the bound past the full blocks all of them share, and those blocks, named (``JOB_HEAD``):
+    every partition of a job shares them (a chat template's preamble, the templates' first
+    words), and usage counts them once."""
     if not prompts:
         return {JOB_BOUND: 0}
-    block = next(w.gate.block for w in every if not w.stored)
     head = len(os.path.commonprefix(prompts)) // block
     # The last token of a prompt is always computed: a head block is one all prompts extend.
     head = min([head] + [(len(p) - 1) // block for p in prompts])
@@ -269,18 +365,19 @@ class TokenGate:
         self._used = 0
         self._changed = threading.Condition()
 
-    @contextlib.contextmanager
-    def hold(self, tokens: int):
-        tokens = min(tokens, self.limit)  # a wave larger than the limit runs alone
+    def take(self, tokens: int) -> int:
+        """Wait until ``tokens`` fit, and take them (a wave larger than the limit runs alone):
+        what to :meth:`give` back."""
+        tokens = min(tokens, self.limit)
         with self._changed:
             self._changed.wait_for(lambda: self._used + tokens <= self.limit)
             self._used += tokens
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._used -= tokens
-                self._changed.notify_all()
+        return tokens
+
+    def give(self, tokens: int) -> None:
+        with self._changed:
+            self._used -= tokens
+            self._changed.notify_all()
 
 
 OPEN = TokenGate(0)  # no engine here to fill: nothing waits (every hold is of 0 tokens)
@@ -323,13 +420,15 @@ class Member:
     columns: Callable[[dd.DataFrame], dict] | None = None  # its results -> the columns it assigns
     mask: Callable[[dd.DataFrame], dd.Series] | None = None  # a filter: its results -> the rows kept
     made: tuple[str, ...] = ()  # the names of the columns it assigns
+    when: tuple[int, ...] = ()  # the filter members before it: it runs on the rows they keep
 
 
 @dataclass(frozen=True)
 class TableJob:
     """The operators added one after another to the same rows (``base``): one plan computes all
     their calls. A frame an operator returns carries its job, so the next operator on it joins
-    the job where it reads only ``base``'s columns (not another member's output)."""
+    the job where it reads only ``base``'s columns (not another member's output); after a
+    filter it joins as a conditional member, called only for the rows the filter keeps."""
 
     base: dd.DataFrame
     members: tuple[Member, ...]
@@ -337,6 +436,11 @@ class TableJob:
     def joins(self, slots: tuple) -> bool:
         made = {c for m in self.members for c in m.made}
         return all(s in self.base.columns and s not in made for s in slots)
+
+    def joined(self, member: Member) -> TableJob:
+        """The job with ``member`` added: on the rows its filters keep."""
+        filters = tuple(i for i, m in enumerate(self.members) if m.mask is not None)
+        return TableJob(self.base, self.members + (dataclasses.replace(member, when=filters),))
 
     def frame(self) -> dd.DataFrame:
         """``base`` with every member's columns, and the rows every filter member kept."""
@@ -355,14 +459,20 @@ class TableJob:
 
 
 def job_results(base: dd.DataFrame, members: tuple[Member, ...]) -> list[dd.DataFrame]:
-    """Per member, its value and error for every row of ``base`` (aligned with it)."""
+    """Per member, its value and error for every row of ``base`` (aligned with it; none for a
+    row a filter before it dropped)."""
     ops = tuple(m.op for m in members)
     skip = len(os.path.commonprefix([head_text(m.op.template) for m in members]))
     rendered = [m.render(base) for m in members]
-    calls = [(base[list(m.slots)].assign(**{KEY: r[KEY]}) if m.slots else r[[KEY]])
-             .map_partitions(local_distinct, meta=_distinct_meta(base, m.slots))
-             .map_partitions(job_calls, m.op, m.slots, number, skip, meta=CALLS_META, partition_info=True)
-             for number, (m, r) in enumerate(zip(members, rendered))]
+    calls = []
+    for number, (m, r) in enumerate(zip(members, rendered)):
+        frame = base[list(m.slots)].assign(**{KEY: r[KEY]}) if m.slots else r[[KEY]]
+        if m.when:
+            when = dd.map_partitions(conditions, *[rendered[i][KEY] for i in m.when], numbers=m.when,
+                                     first=ops[m.when[0]], skip=skip, meta=WHEN_META, align_dataframes=False)
+            frame = frame.assign(**{WHEN: when[WHEN], WHEN_GROUP: when[WHEN_GROUP]})
+        calls.append(frame.map_partitions(local_distinct, meta=frame._meta)
+                     .map_partitions(job_calls, m.op, m.slots, number, skip, meta=CALLS_META, partition_info=True))
     npartitions = base.npartitions
     every = dd.concat(calls) if len(calls) > 1 else calls[0]
     parts = max(npartitions, max(_engines(op) for op in ops))

@@ -20,6 +20,9 @@ from daskllm.prompts import Text, parse_template, tokenizer_for
 
 STRING = pd.ArrowDtype(pa.string())
 KEY = "_daskllm_key"
+# A table job's conditional call (an operator after a filter runs on the rows it keeps): the
+# filter calls its row needs a yes from, as "number:hash of the prompt" joined by ";".
+WHEN = "_daskllm_when"
 
 
 class RowError(ValueError):
