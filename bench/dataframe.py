@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shared-context", choices=table_jobs.JOBS, metavar="JOB",
                         help=f"a table job against vLLM alone (bench/table_jobs.py): one of {table_jobs.JOBS}")
     parser.add_argument("--job-systems", nargs="+", default=list(table_jobs.SYSTEMS), dest="job_systems")
+    parser.add_argument("--job-workers", type=int, default=1, dest="job_workers",
+                        help="daskllm's workers in the table job (they share the KV cache the others get)")
     args = parser.parse_args(argv)
     if args.shared_context:
         args.systems = args.job_systems

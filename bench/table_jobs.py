@@ -132,7 +132,7 @@ def main(args) -> int:
     # vLLM starts an engine only with a cache that holds one whole context (and a block to spare).
     kv = max((max_len(model) // block + 1) * block, int(0.1 * distinct) // block * block)
     print(f"{job}: {len(rows)} rows, {len(ops)} operators, distinct-prefix bound {distinct} tokens, "
-          f"KV cache {kv} tokens, {model}, max_tokens {max_tokens}", flush=True)
+          f"KV cache {kv} tokens, {model}, max_tokens {max_tokens}, daskllm workers {args.job_workers}", flush=True)
     results: dict[str, dict] = {s: {"seconds": [], "computed": None, "answers": None, "batch": None}
                                 for s in args.systems}
 
@@ -166,11 +166,14 @@ def main(args) -> int:
     try:
         settings = {"daskllm.engine.kv-cache-tokens": kv, "daskllm.metering.prompt-blocks": True,
                     "daskllm.result-store.enabled": False}
+        workers = args.job_workers
+        # The same KV cache in all: split between daskllm's workers (each at least vLLM's floor).
+        per_worker = max((max_len(model) // block + 1) * block, kv // workers // block * block)
         for system in [s for s in args.systems if s.startswith("daskllm")]:
             backend = "vllm" if system == "daskllm" else "torch"
             with dask.config.set(settings):
-                cluster = daskllm.LocalLLMCluster(models=[model], n_workers=1, backend=backend, embedders=(),
-                                                  rerankers=(), engine_options={"kv_cache_tokens": kv},
+                cluster = daskllm.LocalLLMCluster(models=[model], n_workers=workers, backend=backend, embedders=(),
+                                                  rerankers=(), engine_options={"kv_cache_tokens": per_worker},
                                                   dashboard_address="127.0.0.1:0")
             clusters[system] = cluster
         for rep in range(args.reps):

@@ -203,6 +203,12 @@ class LocalLLMCluster(LocalCluster):
         if not self.gpus:
             defaults.setdefault("num_threads", default_num_threads(n_workers))
         kwargs.setdefault("processes", True)
+        vllm_on_cpu = not self.gpus and any(s.kind == "llm" and (s.backend or config.get("engine.backend")) == "vllm"
+                                            for s in self.engine_specs)
+        # One worker leaves its engine unbound: measured faster (its Dask and Python threads share
+        # the cores with the engine's); several are faster each on its own cores (docs/engine.md).
+        self.cpu_shares = n_workers if vllm_on_cpu and kwargs["processes"] and n_workers > 1 \
+            and config.get("engine.cpu-bind") and config.get("engine.cpu-cores") is None else 0
         if kwargs["processes"] and not self.gpus:
             fork_workers_from_preloaded_server()
             # A forked worker has the server's environment: give it this process's, as a spawned one gets.
@@ -227,7 +233,7 @@ class LocalLLMCluster(LocalCluster):
 
     def new_worker_spec(self):
         if not self.gpus:
-            return super().new_worker_spec()
+            return self._with_cores(super().new_worker_spec())
         # A worker's name is its devices ("0", "2,3"), with "#k" for the k-th sharing them.
         taken = Counter(str(name).split("#")[0] for name in self.worker_spec)
         groups = [",".join(self.gpus[i:i + self.gpus_per_worker])
@@ -249,6 +255,27 @@ class LocalLLMCluster(LocalCluster):
         name = devices if self.workers_per_gpu == 1 else next(
             f"{devices}#{k}" for k in range(self.workers_per_gpu + len(used)) if f"{devices}#{k}" not in used)
         return {name: spec}
+
+    def _with_cores(self, specs: dict) -> dict:
+        """A CPU worker's spec with its engine's cores (``daskllm.engine.cpu-cores``, in its
+        config): worker i of n takes the i-th n-th of this process's cores (a restarted
+        worker keeps its slot's). Fewer cores than workers: none bound."""
+        cores = sorted(os.sched_getaffinity(0))
+        share = len(cores) // self.cpu_shares if self.cpu_shares else 0
+        if not share:
+            return specs
+        out = {}
+        for name, spec in specs.items():
+            i = name if isinstance(name, int) else len(self.worker_spec)
+            mine = cores[(i % self.cpu_shares) * share:(i % self.cpu_shares + 1) * share]
+            spec = copy.deepcopy(spec)
+            # The nanny sets this config in the worker (its top-level keys replace this
+            # process's, so the whole daskllm section).
+            daskllm_config = dask.config.merge(dask.config.get("daskllm"),
+                                               {"engine": {"cpu-cores": ",".join(map(str, mine))}})
+            spec.setdefault("options", {})["config"] = {**spec["options"].get("config", {}), "daskllm": daskllm_config}
+            out[name] = spec
+        return out
 
     # --- keeping every worker slot filled -------------------------------------------------
 

@@ -91,7 +91,9 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[dict]:
     group = None
     try:
         for name, command in commands.items():
-            extra = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if name == "preload-worker" else {}
+            # The preload worker's engine unbound; the CLI worker's bound to core 0 (its setting).
+            extra = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"} if name == "preload-worker" else \
+                {"DASK_DASKLLM__ENGINE__CPU_CORES": "0"} if name == "llm-worker" else {}
             log = (logs / f"{name}.log").open("w")
             procs[name] = subprocess.Popen([str(c) for c in command], stdout=log, stderr=subprocess.STDOUT,
                                            env={**env, **extra}, process_group=group or 0,
@@ -138,18 +140,21 @@ def _engines(dask_worker) -> dict:
 def test_workers_hold_vllm_engines_that_share_the_cores(client):
     """Both ways of starting a worker give it a vLLM engine core (the embedder stays on torch);
     each engine core computes with the worker's engine threads (1 here: two engines, two
-    cores), not bound, so the two may use every core (vLLM's own binding would put both on
-    core 0)."""
+    cores). Unbound by default, so the two may use every core (vLLM's own binding would put
+    both on core 0); bound where the worker's ``daskllm.engine.cpu-cores`` says (the CLI
+    worker's: core 0)."""
     kinds = client.run(_engines)
     assert [k["llm:tiny"] for k in kinds.values()] == ["VLLMEngine"] * 2
     assert [k["embed:all-MiniLM-L6-v2"] for k in kinds.values()] == ["EmbedEngine"] * 2
     pids = client.run(os.getpid)
+    names = {w: info["name"] for w, info in client.scheduler_info()["workers"].items()}
     for worker, pid in pids.items():
         (core,) = _engine_cores(pid)
         environ = dict(v.split("=", 1) for v in pathlib.Path(f"/proc/{core}/environ").read_text().split("\0") if "=" in v)
         assert environ["OMP_NUM_THREADS"] == "1", worker
+        assert environ.get("VLLM_CPU_OMP_THREADS_BIND") == ("0" if names[worker] == "llm-worker" else None), worker
         allowed = pathlib.Path(f"/proc/{core}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
-        assert allowed == pathlib.Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0], \
+        assert names[worker] == "llm-worker" or allowed == pathlib.Path("/proc/self/status").read_text().split("Cpus_allowed_list:")[1].split()[0], \
             (worker, allowed)
 
 

@@ -259,18 +259,39 @@ def kv_bytes_per_token(hf_config, dtype: str) -> int:
 def cpu_environment(num_threads: int | None) -> dict[str, str]:
     """The environment of a CPU engine's engine-core process, where its model runs.
 
-    ``num_threads`` OpenMP threads (default: this process's torch threads), not bound to
-    cores: the engines of several workers on one machine then share its cores as the
-    operating system sees fit, where vLLM's own binding would put each on core 0 and keep
-    core 1 for its scheduler. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` lets the engine core run
-    the model itself (vLLM's CPU build otherwise starts a worker process for it). Compiled
+    Bound to ``daskllm.engine.cpu-cores`` where set (one OpenMP thread per core, vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND``: LocalLLMCluster gives each worker its own cores); else
+    ``num_threads`` OpenMP threads (default: this process's torch threads), not bound: the
+    operating system places them, where vLLM's own binding would put each engine on core 0 and
+    keep core 1 for its scheduler. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` lets the engine core
+    run the model itself (vLLM's CPU build otherwise starts a worker process for it). Compiled
     graphs are kept beside the models (``<daskllm.models.cache-dir>/vllm``) unless
     ``VLLM_CACHE_ROOT`` is set, so a restarted worker compiles nothing."""
     import torch
 
-    return {"OMP_NUM_THREADS": str(num_threads or torch.get_num_threads()),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    cores = parse_cores(config.get("engine.cpu-cores"))
+    threads = {"OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} \
+        if cores else {"OMP_NUM_THREADS": str(num_threads or torch.get_num_threads())}
+    return {**threads, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(models.cache_dir() / "vllm")}
+
+
+def parse_cores(value) -> list[int]:
+    """Cores from ``daskllm.engine.cpu-cores``: "0-3,6" or a list of ints; [] for none."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, int):
+        return [value]
+    if not isinstance(value, str):
+        return [int(c) for c in value]
+    cores = []
+    for part in value.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            cores += list(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise ValueError(f"daskllm.engine.cpu-cores: {value!r} is not a list of cores like '0-3,6'") from None
+    return cores
 
 
 @contextlib.contextmanager
