@@ -203,8 +203,10 @@ def test_a_rerun_computes_no_token_twenty_times_in_twenty(client):
                                       f"fish {pair}"]})
 
         def run():
+            # dedupe="local": each partition's calls planned together, so their shared prefix gets
+            # a prefill task (a table job's waves compute it with their first call instead).
             job = dd.from_pandas(rows, npartitions=2).llm.map(template, model="tiny", max_tokens=4, out="d",
-                                                              on_error="null")
+                                                              on_error="null", dedupe="local")
             with daskllm.usage() as used:
                 out = job.compute()
             return out, used
