@@ -177,7 +177,10 @@ def run_calls(calls: pd.DataFrame, ops: tuple[Op, ...], here: tuple[bool, ...]) 
             bound = {}  # one record of the partition carries it
     values = pd.concat(runs.results, ignore_index=True) if runs.results else RESULTS_META[[KEY, "value", "error", OP]]
     asked = calls[[OP, KEY, ORIGIN]].drop_duplicates().reset_index(drop=True)
-    return asked.merge(values.drop_duplicates(subset=[OP, KEY]), on=[OP, KEY], how="left")[list(RESULTS_META.columns)]
+    out = asked.merge(values.drop_duplicates(subset=[OP, KEY]), on=[OP, KEY], how="left")[list(RESULTS_META.columns)]
+    # A conditional call its filter said no to has no value: None, as a failed call's (not the merge's NaN).
+    out["value"] = out["value"].astype(object).where(out["value"].notna(), None)
+    return out
 
 
 class Runs:
