@@ -206,7 +206,7 @@ class LocalLLMCluster(LocalCluster):
         vllm_on_cpu = not self.gpus and any(s.kind == "llm" and (s.backend or config.get("engine.backend")) == "vllm"
                                             for s in self.engine_specs)
         # One worker leaves its engine unbound: measured faster (its Dask and Python threads share
-        # the cores with the engine's); several are faster each on its own cores (docs/engine.md).
+        # the cores with the engine's); several are faster each on its own cores (docs/vllm.md).
         self.cpu_shares = n_workers if vllm_on_cpu and kwargs["processes"] and n_workers > 1 \
             and config.get("engine.cpu-bind") and config.get("engine.cpu-cores") is None else 0
         if kwargs["processes"] and not self.gpus:

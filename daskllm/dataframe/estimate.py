@@ -373,13 +373,12 @@ def job_members(collection, kept: dict[str, Rendered]) -> list[list[str]]:
     for run in runs:
         inner = {c._name for other in run.frame.walk() if isinstance(other, MapPartitions)
                  and other.func is run_calls for c in other.walk() if is_call(c)}
-        mine = [c._name for c in run.frame.walk() if is_call(c) and c._name not in inner and c._name in kept]
+        mine = {c._name for c in run.frame.walk() if is_call(c) and c._name not in inner}
         by_model: dict[str, list[str]] = {}
-        for name in dict.fromkeys(mine):
-            if kept[name].op.kind in LLM_KINDS:
-                by_model.setdefault(kept[name].op.model, []).append(name)
-        jobs += [sorted(names, key=lambda n: job_number(next(c for c in run.frame.walk() if c._name == n)))
-                 for names in by_model.values()]
+        for name, rendered_ in kept.items():  # kept in operator_calls' order: a job's in its operators' order
+            if name in mine and rendered_.op.kind in LLM_KINDS:
+                by_model.setdefault(rendered_.op.model, []).append(name)
+        jobs += list(by_model.values())
     return jobs
 
 
@@ -390,11 +389,8 @@ def job_estimate(names: list[str], kept: dict[str, Rendered],
     block = dask.config.get("daskllm.engine.block-size")
     calls = sorted((ids, name) for name in names for ids in kept[name].ids)
     computed: dict[str, float] = dict.fromkeys(names, 0.0)
-    previous: list = []
-    for ids, name in calls:
-        shared = len(os.path.commonprefix([previous, ids]))
-        computed[name] += (len(ids) - min(shared // block * block, len(ids) - 1)) * kept[name].share
-        previous = ids
+    for (_, name), tokens in zip(calls, computed_each([ids for ids, _ in calls], block)):
+        computed[name] += tokens * kept[name].share
     ops = [kept[n].op for n in names]
     skip = len(os.path.commonprefix([head_text(op.template) for op in ops]))
     groups = {group_key(op, key, skip) for n, op in zip(names, ops) for key in kept[n].keys}
@@ -422,13 +418,17 @@ def output_bound(op: Op) -> int:
 def computed_tokens(ids: list[list[int]], block: int | None = None) -> int:
     """Prompt tokens an engine computes for ``ids`` sent sorted (as a partition's calls are): each
     prompt's full blocks shared with the one before it are read from the prefix cache."""
-    block = block or dask.config.get("daskllm.engine.block-size")
-    total, previous = 0, []
-    for prompt in sorted(ids):
+    return sum(computed_each(sorted(ids), block or dask.config.get("daskllm.engine.block-size")))
+
+
+def computed_each(prompts: list[list[int]], block: int):
+    """Per prompt of ``prompts`` (sent in this order), the tokens an engine computes: those past
+    the full blocks it shares with the prompt before it (the last token is always computed)."""
+    previous: list = []
+    for prompt in prompts:
         shared = next((k for k, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
-        total += len(prompt) - min(shared // block * block, len(prompt) - 1)  # the last token is always computed
+        yield len(prompt) - min(shared // block * block, len(prompt) - 1)
         previous = prompt
-    return total
 
 
 def bounded(op: Op, above: list[OperatorEstimate]) -> OperatorEstimate:

@@ -218,17 +218,18 @@ class Runs:
             for phase in wave.phases():
                 self.run(wave.calls.iloc[phase], wave.ids_of(phase))
             while not after.empty:  # the calls after a filter, once it has said yes
-                ready, after = self.decided(after)
+                ready, ids, after = self.decided(after)
                 if ready.empty:
                     break
-                self.run(ready)
+                self.run(ready, ids)
         finally:
             wave.gate.give(tokens)
 
-    def decided(self, after: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """Of the conditional calls ``after``, those every filter of has said yes to (each once,
-        tokenized: their ids go to the bound), and those still waiting for a filter; the rest
-        (a filter said no) are dropped."""
+    def decided(self, after: pd.DataFrame) -> tuple[pd.DataFrame, list | None, pd.DataFrame]:
+        """Of the conditional calls ``after``, those every filter of has said yes to (each once)
+        with their prompts' token ids where the engine is here (so they are not tokenized again;
+        those the result store does not answer go to the bound), and those still waiting for a
+        filter; the rest (a filter said no) are dropped."""
         conditions = [w.split(";") for w in after[WHEN]]
         known = [all(c in self.said for c in cs) for cs in conditions]
         passed = [k and all(self.said[c] for c in cs) for k, cs in zip(known, conditions)]
@@ -236,13 +237,18 @@ class Runs:
         fresh = np.array([(n, k) not in self.done for n, k in zip(ready[OP], ready[KEY])], dtype=bool)
         ready = ready[fresh].drop_duplicates(subset=[OP, KEY])
         self.done.update(zip(ready[OP], ready[KEY]))
+        ids = None
         if in_worker() and not ready.empty and gate(self.ops[int(ready[OP].iat[0])].model) is not OPEN:
-            for n in sorted(set(ready[OP])):
-                mine = ready[ready[OP] == n]
-                ids = prompt_ids(mine[[KEY]], keyed(self.ops[n]))
-                stored = are_stored(self.ops[n].model, ids, call_sampling(self.ops[n]))
-                self.fresh_ids += [i for i, s in zip(ids, stored) if not s]
-        return ready, after[~np.array(known, dtype=bool)]
+            ids = [None] * len(ready)
+            numbers = ready[OP].tolist()
+            for n in sorted(set(numbers)):
+                where = [i for i, m in enumerate(numbers) if m == n]
+                mine = prompt_ids(ready.iloc[where][[KEY]], keyed(self.ops[n]))
+                stored = are_stored(self.ops[n].model, mine, call_sampling(self.ops[n]))
+                self.fresh_ids += [i for i, s in zip(mine, stored) if not s]
+                for i, tokens in zip(where, mine):
+                    ids[i] = tokens
+        return ready, ids, after[~np.array(known, dtype=bool)]
 
 
 def attach(conditional: pd.DataFrame, every: list[Wave]) -> list[pd.DataFrame]:
