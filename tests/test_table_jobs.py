@@ -5,6 +5,9 @@ computed alone, in the table's row order."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import dask
 import dask.dataframe as dd
 import pandas as pd
@@ -57,7 +60,8 @@ def test_four_question_columns_compute_each_prefix_once_and_equal_each_column_al
     assert job.bound == bound <= u.prefix_bound <= 1.01 * bound
     assert job.predicted_prefill <= 1.1 * bound
     print(f"prefill computed {u.prefill_tokens_computed} / bound {bound} = {u.prefill_tokens_computed / bound:.3f}")
-    assert u.prefill_tokens_computed <= 1.1 * bound
+    assert bound <= u.prefill_tokens_computed <= 1.1 * bound  # the shared prefixes' own prefills counted too
+    assert u.executed["prefill"] >= 120 // 8  # each wave's documents computed first (a wave holds a few)
     assert [u.operators["map"][k] for k in ("rows", "distinct", "failed")] == [4 * 120, 4 * 120, 0]
     expected = ddf.compute()
     pd.testing.assert_frame_equal(joint[["qualname", "doc"]], expected)  # the table's rows, in its order
@@ -103,3 +107,38 @@ def test_operators_computed_together_from_separate_frames_give_the_same_answers(
     together = dask.compute(a, b)
     assert together[0]["a"].tolist() == a.compute()["a"].tolist()
     assert together[1]["b"].tolist() == columns(ddf).compute()["a1"].tolist()
+
+
+def test_a_wave_computes_the_deepest_prefixes_its_calls_share_in_whole_blocks():
+    """Pure logic: the prefixes a wave computes before its calls (job.Wave.prefixes)."""
+    from daskllm.dataframe.job import Wave, TokenGate
+
+    head = [9] * 5  # shared by every prompt: shorter than prefix-min-tokens, not worth a step
+    p, q = head + list(range(100, 115)), head + list(range(200, 235))  # 20 and 40 tokens
+    deeper = p + [7] * 12  # starts with p: computing it computes p
+    prompts = sorted([p + [1, 1], p + [2, 2], deeper + [1], deeper + [2], q + [1], q + [2], q + [3], [5] * 30])
+    shared = [0] + [len(os.path.commonprefix([a, b])) for a, b in zip(prompts, prompts[1:])]
+    calls = pd.DataFrame({"_daskllm_op": [0] * len(prompts)})
+    wave = Wave(calls, prompts, shared, TokenGate(1000, block=4), tokens=0)
+    assert wave.prefixes() == [tuple(deeper), tuple(q[:40])]  # whole blocks of 4; p inside deeper
+    assert wave.phases() == [list(range(len(prompts)))]  # then every call at once
+    assert Wave(calls, None, None, TokenGate(1000, block=4), tokens=0).prefixes() == []  # prompts unknown here
+
+
+def test_a_gate_lets_a_second_wave_in_only_with_room_and_no_one_waiting():
+    from daskllm.dataframe.job import TokenGate
+
+    gate = TokenGate(100)
+    first = gate.take(60)
+    assert gate.try_take(50) is None  # no room
+    second = gate.try_take(40)
+    assert second == 40
+    gate.give(first)
+    waiter = threading.Thread(target=gate.take, args=(100,))
+    waiter.start()
+    with gate._changed:  # until the other task waits for room
+        assert gate._changed.wait_for(lambda: gate._waiting == 1, timeout=30)
+    assert gate.try_take(10) is None  # room, but a task waits: it goes first
+    gate.give(second)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and gate._used == 100

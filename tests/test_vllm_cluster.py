@@ -203,7 +203,7 @@ def test_a_table_job_computes_each_prefix_once_on_vllm(client):
         joint = columns(ddf).compute()
     print(f"prefill computed {u.prefill_tokens_computed} / bound {u.distinct_prompt_tokens}")
     assert u.distinct_prompt_tokens > 8 * 4096
-    assert u.prefill_tokens_computed <= 1.1 * u.distinct_prompt_tokens
+    assert u.distinct_prompt_tokens <= u.prefill_tokens_computed <= 1.1 * u.distinct_prompt_tokens
     cold_start(client)
     for i, question in enumerate(ASKED):
         alone = ddf.llm.map(TEMPLATE + question, model="tiny", max_tokens=4, out=f"a{i}").compute()

@@ -15,10 +15,10 @@ grouped by shared prefix across rows, partitions and operators, so each prefix i
    lexicographic order of prompts is the depth-first walk of their prefix tree, so prompts that
    share a prefix are next to each other. It calls each distinct prompt once,
    whatever partitions asked for it, in *waves*: runs of sorted calls whose distinct prefix
-   tokens fit in ``WAVE_SHARE`` of its engine's KV cache. A wave runs in two steps: the calls
-   that start a prefix, then the calls that read it (vLLM's scheduler would have calls sent in
-   one step each compute a prefix they share); each step sends every operator's calls at once,
-   so they share engine steps. The next wave may evict those prefixes, since nothing later needs
+   tokens fit in ``WAVE_SHARE`` of its engine's KV cache. A wave first computes the prefixes its
+   calls share, each once, in one prefill-only engine step (vLLM's scheduler would have calls
+   sent in one step each compute a prefix they share); then it sends every operator's calls at
+   once, so they share engine steps and read those prefixes. The next wave may evict those prefixes, since nothing later needs
    them: that is the order that uses the cache before it evicts, however much larger than the
    cache the job is. A gate lets two waves (of two tasks) fill an engine's cache together, so
    one computes prefixes while the other reads its own. Calls the result store answers take no
@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
+from distributed.worker import thread_state
 
 from daskllm import config
 from daskllm.dataframe.calls import CallCounts, call_sampling, record, run, spread
@@ -55,10 +57,13 @@ from daskllm.dataframe.ops import KEY, STRING, WHEN, Op, full_template, prompt_i
 from daskllm.dataframe.rows import lookup
 from daskllm.prompts import Text, parse_template
 from daskllm.runtime.view import take_view
+from daskllm.worker.execute import run_prefill_many
 from daskllm.worker.host import host, in_worker
 from daskllm.worker.parts import together
 from daskllm.worker.store import are_stored
 from daskllm.worker.usage import JOB_BOUND, JOB_HEAD
+
+logger = logging.getLogger(__name__)
 
 ORDER = "_daskllm_order"  # the sort key: model, chat flag, whole prompt text
 GROUP = "_daskllm_group"  # the shuffle key: model, chat flag, the prompt's first characters past the templates' head
@@ -166,15 +171,17 @@ def run_calls(calls: pd.DataFrame, ops: tuple[Op, ...], here: tuple[bool, ...]) 
         host().wait_loaded()
     every = waves(distinct, ops)
     runs = Runs(ops, here)
-    for wave, after in zip(every, attach(calls[conditional].drop_duplicates(subset=[OP, KEY, WHEN]), every)):
-        runs.wave(wave, after)
+    runs.waves(every, attach(calls[conditional].drop_duplicates(subset=[OP, KEY, WHEN]), every))
     block = next((w.gate.block for w in every if w.gate is not OPEN), None)
     bound = partition_bound([ids for w in every if not w.stored for ids in w.ids or ()] + runs.fresh_ids, block) \
         if block is not None and all(w.ids is not None for w in every) else {}
+    prefills = runs.prefill_keys
     for number, (op, c) in enumerate(zip(ops, runs.counts)):
         if c.distinct:
-            record(op.name, started=started, tag=f"-{number}", extra=bound, **dataclasses.asdict(c))
-            bound = {}  # one record of the partition carries it
+            counts = dataclasses.asdict(c)
+            counts["children"] = counts["children"] + prefills
+            record(op.name, started=started, tag=f"-{number}", extra=bound, **counts)
+            bound, prefills = {}, []  # one record of the partition carries them
     values = pd.concat(runs.results, ignore_index=True) if runs.results else RESULTS_META[[KEY, "value", "error", OP]]
     asked = calls[[OP, KEY, ORIGIN]].drop_duplicates().reset_index(drop=True)
     out = asked.merge(values.drop_duplicates(subset=[OP, KEY]), on=[OP, KEY], how="left")[list(RESULTS_META.columns)]
@@ -194,6 +201,7 @@ class Runs:
         self.said: dict[str, bool] = {}  # "number:hash" -> the filter said yes
         self.done: set[tuple[int, str]] = set()  # conditional calls run
         self.fresh_ids: list = []  # prompts of conditional calls the result store did not answer
+        self.prefill_keys: list[str] = []  # the usage records of the waves' shared prefixes
 
     def run(self, calls: pd.DataFrame, ids: list | None = None) -> None:
         """Run ``calls``: one run per operator, all at once (their requests join the same engine steps)."""
@@ -210,20 +218,65 @@ class Runs:
             if self.ops[n].kind == "filter":
                 self.said.update((f"{n}:{key_hash(k)}", v is True) for k, v in zip(frame[KEY], frame["value"]))
 
-    def wave(self, wave: Wave, after: pd.DataFrame) -> None:
-        """A wave, once its engine's gate lets its tokens in: its steps, then the calls ``after``
-        its filters that they said yes to; then its tokens leave the gate."""
+    def waves(self, every: list[Wave], afters: list[pd.DataFrame]) -> None:
+        """The waves in order, each once its engine's gate lets its tokens in: its shared
+        prefixes, its calls, then the calls ``after`` its filters that they said yes to; then its
+        tokens leave the gate. Where the gate has room for two, the next wave's prefixes are
+        computed while a wave's calls run: they share engine steps, and no call waits on its
+        engine for a prefix in between."""
+        held = self.enter(every[0]) if every else 0
+        for i, (wave, after) in enumerate(zip(every, afters)):
+            following = every[i + 1] if i + 1 < len(every) else None
+            ahead: list[int] = []
+
+            def enter_following(wave=following):
+                tokens = wave.gate.try_take(wave.tokens)
+                if tokens is not None:
+                    ahead.append(tokens)
+                    self.prefill_shared(wave)
+            try:
+                together([functools.partial(self.calls, wave, after)] + ([enter_following] if following else []))
+            except BaseException:
+                for tokens in ahead:
+                    following.gate.give(tokens)
+                raise
+            finally:
+                wave.gate.give(held)
+            if following is not None:
+                held = ahead[0] if ahead else self.enter(following)
+
+    def enter(self, wave: Wave) -> int:
+        """Wait until the gate lets ``wave``'s tokens in, and compute its shared prefixes: the
+        tokens to give back once it has run."""
         tokens = wave.gate.take(wave.tokens)
+        self.prefill_shared(wave)
+        return tokens
+
+    def calls(self, wave: Wave, after: pd.DataFrame) -> None:
+        """A wave's calls, then the calls ``after`` its filters, once they have said yes."""
+        for phase in wave.phases():
+            self.run(wave.calls.iloc[phase], wave.ids_of(phase))
+        while not after.empty:
+            ready, ids, after = self.decided(after)
+            if ready.empty:
+                break
+            self.run(ready, ids)
+
+    def prefill_shared(self, wave: Wave) -> None:
+        prefixes = wave.prefixes() if all(self.here) else []
+        if prefixes:
+            self.prefill(self.ops[int(wave.calls[OP].iat[0])].model, prefixes)
+
+    def prefill(self, model: str, prefixes: list[tuple[int, ...]]) -> None:
+        """Compute ``prefixes`` in the engine's cache at once (each wave's usage its own record).
+        A prefill that fails costs only time: the calls compute their prefixes themselves."""
+        task_key = getattr(thread_state, "key", None) or "table-job"
+        self.prefill_keys.append(f"{task_key}-prefix-{len(self.prefill_keys)}")
         try:
-            for phase in wave.phases():
-                self.run(wave.calls.iloc[phase], wave.ids_of(phase))
-            while not after.empty:  # the calls after a filter, once it has said yes
-                ready, ids, after = self.decided(after)
-                if ready.empty:
-                    break
-                self.run(ready, ids)
-        finally:
-            wave.gate.give(tokens)
+            run_prefill_many(task_key, model, prefixes, record_key=self.prefill_keys[-1])
+        except Exception:  # noqa: BLE001 - an optimization; the calls that follow report real failures
+            logger.warning("table job: prefilling %d shared prefixes failed; the calls compute them", len(prefixes),
+                           exc_info=True)
 
     def decided(self, after: pd.DataFrame) -> tuple[pd.DataFrame, list | None, pd.DataFrame]:
         """Of the conditional calls ``after``, those every filter of has said yes to (each once)
@@ -281,20 +334,27 @@ class Wave:
         return None if self.ids is None else [self.ids[i] for i in rows]
 
     def phases(self) -> list[list[int]]:
-        """The calls that compute a prefix (each first of those sharing at least
-        ``prefix-min-tokens`` with the one before), then the calls that read it: run in one
-        engine step, calls that share a prefix would each compute it (vLLM's scheduler does not
-        wait for a prefix another request is computing). Where the prompts are unknown, one
-        phase per operator, in order; calls the result store answers, all at once."""
-        if self.stored:
-            return [list(range(len(self.calls)))]
-        if self.shared is None:
+        """The calls to send together, step after step: all of them (their shared prefixes are
+        computed first, :meth:`prefixes`); where the prompts are unknown, one step per
+        operator, in order."""
+        if self.shared is None and not self.stored:
             numbers = self.calls[OP].tolist()
             return [[i for i, n in enumerate(numbers) if n == number] for number in sorted(set(numbers))]
-        least = int(config.get("rewrite.prefix-min-tokens"))
-        first = [i for i, n in enumerate(self.shared) if n < least]
-        rest = [i for i, n in enumerate(self.shared) if n >= least]
-        return [first, rest] if rest else [first]
+        return [list(range(len(self.calls)))]
+
+    def prefixes(self) -> list[tuple[int, ...]]:
+        """The prefixes to compute before the wave's calls, once each: the full KV blocks a
+        call shares with the one before it (at least ``prefix-min-tokens``), the deepest only
+        (computing one computes those it starts with). Sent in one engine step with the calls,
+        vLLM would compute a shared prefix once per call: it does not wait for a prefix
+        another request of the step is computing."""
+        if self.stored or self.shared is None:
+            return []
+        least, block = int(config.get("rewrite.prefix-min-tokens")), max(1, self.gate.block)
+        found = sorted({tuple(self.ids[i][:n // block * block]) for i, n in enumerate(self.shared)
+                        if n // block * block >= max(least, 1)})
+        # Sorted, a prefix another one starts with comes right before it (or before those between).
+        return [p for p, q in zip(found, found[1:] + [()]) if q[:len(p)] != p]
 
 
 def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[Wave]:
@@ -326,7 +386,7 @@ def waves(distinct: pd.DataFrame, ops: tuple[Op, ...]) -> list[Wave]:
     for i, tokens in enumerate(ids):
         shared[i] = len(os.path.commonprefix([previous, tokens]))
         new = len(tokens) - shared[i]
-        if i > start and filled + new > the_gate.limit // 2:
+        if i > start and filled + new > the_gate.limit * WAVE_SHARE / GATE_SHARE:
             out.append(Wave(calls.iloc[start:i], ids[start:i], [0] + shared[start + 1:i], the_gate, filled))
             start, filled = i, len(tokens)
         else:
@@ -372,6 +432,7 @@ class TokenGate:
         self.limit = limit
         self.block = block  # its engine's KV block size
         self._used = 0
+        self._waiting = 0  # tasks waiting for room
         self._changed = threading.Condition()
 
     def take(self, tokens: int) -> int:
@@ -379,7 +440,22 @@ class TokenGate:
         what to :meth:`give` back."""
         tokens = min(tokens, self.limit)
         with self._changed:
-            self._changed.wait_for(lambda: self._used + tokens <= self.limit)
+            self._waiting += 1
+            self._changed.notify_all()  # try_take now defers to it
+            try:
+                self._changed.wait_for(lambda: self._used + tokens <= self.limit)
+            finally:
+                self._waiting -= 1
+            self._used += tokens
+        return tokens
+
+    def try_take(self, tokens: int) -> int | None:
+        """:meth:`take` if ``tokens`` fit now and no one waits for room (else None): a task
+        already holding a wave never waits for a second (two such tasks would wait on each other)."""
+        tokens = min(tokens, self.limit)
+        with self._changed:
+            if self._waiting or self._used + tokens > self.limit:
+                return None
             self._used += tokens
         return tokens
 

@@ -276,12 +276,14 @@ def run_prefill(task_key: str, model: str, call, *deps) -> PrefillHandle:
     return handle
 
 
-def run_prefill_many(task_key: str, model: str, prefixes: list) -> list[PrefillHandle]:
-    """Put several known prefixes (a decode shard's partial prompts) in this worker's cache at once."""
+def run_prefill_many(task_key: str, model: str, prefixes: list, record_key: str | None = None) -> list[PrefillHandle]:
+    """Put several known prefixes (a decode shard's partial prompts) in this worker's cache at
+    once (in one engine step, where they fit its token budget). ``record_key``: where a task
+    prefills several times, each time's usage record (default: the task's)."""
     engine = get_engine(model)
     handles = wait_requests(task_key, [engine.submit_prefill(list(p)) for p in prefixes])
-    _record(task_key, PREFILL_TASK, model=model, calls=len(handles), prompt_tokens=sum(h.num_tokens for h in handles),
-            cached_tokens=sum(h.num_cached_tokens for h in handles))
+    _record(record_key or task_key, PREFILL_TASK, model=model, calls=len(handles),
+            prompt_tokens=sum(h.num_tokens for h in handles), cached_tokens=sum(h.num_cached_tokens for h in handles))
     return handles
 
 
