@@ -117,7 +117,15 @@ def main(argv=None) -> int:
     parser.add_argument("--job-systems", nargs="+", default=list(table_jobs.SYSTEMS), dest="job_systems")
     parser.add_argument("--job-workers", type=int, default=1, dest="job_workers",
                         help="daskllm's workers in the table job (they share the KV cache the others get)")
+    parser.add_argument("--job-scale", type=int, nargs="+", metavar="ROWS", dest="job_scale",
+                        help="the columns table job over ROWS rows from parquet: planning time, client peak memory")
+    parser.add_argument("--job-scale-one", type=int, dest="job_scale_one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.job_scale_one:
+        table_jobs.scale_one(args.job_scale_one, args.model, args.max_tokens)
+        return 0
+    if args.job_scale:
+        return table_jobs.scale_main(args)
     if args.shared_context:
         args.systems = args.job_systems
         args.rows = args.rows if "--rows" in (argv or sys.argv) else None

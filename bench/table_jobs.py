@@ -233,3 +233,79 @@ def _engine_steps(client) -> tuple[int, int]:
 def _agreement(answers: list, reference: list) -> float:
     pairs = [(a, b) for col_a, col_b in zip(answers, reference) for a, b in zip(col_a, col_b)]
     return sum(a == b for a, b in pairs) / max(1, len(pairs))
+
+
+# --- at scale: planning time and the client's memory (--job-scale ROWS ...) --------------------
+
+SCALE_PARTITION_ROWS = 50_000
+
+
+def scale_main(args) -> int:
+    """``--job-scale N ...``: the ``columns`` job (four question columns) over N rows read from
+    parquet, built by repeating its table, written back to parquet (no table comes to the
+    client). Each N runs in a process of its own, so the client's peak memory is its own.
+    Reported: the planning time (the four operators added and the graph built and optimized,
+    before anything runs), the run's wall time, and the client's peak RSS."""
+    import json
+    import subprocess
+
+    rows = []
+    for n in args.job_scale:
+        out = subprocess.run([sys.executable, str(Path(__file__).with_name("dataframe.py")), "--job-scale-one",
+                              str(n), "--model", args.model, "--max-tokens", str(args.max_tokens)],
+                             check=True, capture_output=True, text=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"  {n:,} rows: {rows[-1]}", flush=True)
+    base = rows[0]["client_peak_mib"]
+    print(f"\n| rows | partitions | planning | run | client peak RSS | vs {rows[0]['rows']:,} rows |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']:,} | {r['partitions']} | {r['planning_s']:.2f} s | {r['run_s']:.0f} s | "
+              f"{r['client_peak_mib']:.0f} MiB | {r['client_peak_mib'] / base:.2f}x |")
+    return 0
+
+
+def scale_one(rows: int, model: str, max_tokens: int) -> dict:
+    """One ``--job-scale`` size, in this process (see :func:`scale_main`)."""
+    import json
+    import resource
+    import tempfile
+
+    import dask
+    import dask.dataframe as dd
+    from distributed import Client
+
+    import daskllm
+
+    base = table("columns", model, None)
+    with tempfile.TemporaryDirectory() as tmp, daskllm.LocalLLMCluster(
+            models=[model], n_workers=2, threads_per_worker=2, embedders=(), rerankers=(),
+            dashboard_address="127.0.0.1:0") as cluster, Client(cluster):
+        partitions = max(1, rows // SCALE_PARTITION_ROWS)
+        repeat = dd.from_pandas(pd.DataFrame({"part": range(partitions)}), npartitions=partitions)
+        per = rows // partitions
+
+        def build(part: pd.DataFrame) -> pd.DataFrame:  # on the workers: the client never holds the table
+            number = int(part["part"].iat[0]) if len(part) else 0
+            index = [(number * per + i) % len(base) for i in range(per)]
+            return base.iloc[index].reset_index(drop=True).assign(row=range(number * per, (number + 1) * per))
+        repeat.map_partitions(build, meta=base.iloc[:0].assign(row=pd.Series([], dtype="int64"))) \
+            .to_parquet(f"{tmp}/in", write_index=False)
+        started = time.perf_counter()
+        ddf = dd.read_parquet(f"{tmp}/in")
+        job = ddf
+        for i, question in enumerate(QUESTIONS):
+            job = job.llm.map(COLUMNS_TEMPLATE + question, model=model, max_tokens=max_tokens, out=f"a{i}")
+        graph = job.optimize().__dask_graph__()
+        planning = time.perf_counter() - started
+        started = time.perf_counter()
+        with dask.config.set({"daskllm.result-store.enabled": False}):
+            job.to_parquet(f"{tmp}/out", write_index=False)
+        run = time.perf_counter() - started
+        written = len(dd.read_parquet(f"{tmp}/out", columns=["row"]))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert written == rows, (written, rows)
+    result = {"rows": rows, "partitions": partitions, "tasks": len(graph), "planning_s": planning, "run_s": run,
+              "client_peak_mib": peak}
+    print(json.dumps(result), flush=True)
+    return result

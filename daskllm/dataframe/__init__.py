@@ -14,8 +14,9 @@ added one after another to the same rows are one table job (:mod:`daskllm.datafr
    whichever rows, partitions and operators they came from (identical prompts too: each is
    called once);
 3. **call**: each group partition sorts its prompts and runs them in waves that fit its
-   engine's KV cache: the calls that start a prefix, then every call that reads it, then the
-   calls after a filter that it said yes to, so each shared prefix is computed once; run
+   engine's KV cache: the prefixes its calls share, in one prefill-only step, then every call
+   at once, then the calls after a filter that it said yes to, so each shared prefix is
+   computed once; run
    from the task, on its worker's engines where it holds them (tasks from tasks);
 4. **back**: the results go back to the row partitions that asked, which look their rows up.
 

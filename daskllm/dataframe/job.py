@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import dask.dataframe as dd
@@ -219,53 +219,63 @@ class Runs:
                 self.said.update((f"{n}:{key_hash(k)}", v is True) for k, v in zip(frame[KEY], frame["value"]))
 
     def waves(self, every: list[Wave], afters: list[pd.DataFrame]) -> None:
-        """The waves in order, each once its engine's gate lets its tokens in: its shared
-        prefixes, its calls, then the calls ``after`` its filters that they said yes to; then its
-        tokens leave the gate. Where the gate has room for two, the next wave's prefixes are
-        computed while a wave's calls run: they share engine steps, and no call waits on its
-        engine for a prefix in between."""
-        held = self.enter(every[0]) if every else 0
-        for i, (wave, after) in enumerate(zip(every, afters)):
-            following = every[i + 1] if i + 1 < len(every) else None
-            ahead: list[int] = []
+        """The waves in order, two at once where the engine's gate has room for both (and no
+        other task waits for it). A wave's stages run one after another: its shared prefixes,
+        its calls, then the calls after its filters once they have said yes (:meth:`stages`).
+        A wave joins a stage after the other, and each round sends the next stage of both to
+        the engine together (one wave's calls beside the other's prefixes, or its calls after a
+        filter beside the other's filter calls), so they share engine steps and no step waits
+        on one wave alone. A wave's tokens
+        leave the gate once its last stage is done."""
+        pending = list(zip(every, afters))[::-1]
+        active: list[tuple[Iterator, TokenGate, int]] = []
+        try:
+            while pending or active:
+                # One wave joins per round, so two waves are a stage apart. A task holding a wave
+                # never waits for a second (two such tasks would wait on each other).
+                if pending and len(active) < 2:
+                    wave, after = pending[-1]
+                    tokens = wave.gate.try_take(wave.tokens) if active else wave.gate.take(wave.tokens)
+                    if tokens is not None:
+                        pending.pop()
+                        active.append((self.stages(wave, after), wave.gate, tokens))
+                prefixes: dict[str, list] = {}
+                frames, ids, running = [], [], []
+                for entry in active:
+                    stage = next(entry[0], None)
+                    if stage is None:
+                        entry[1].give(entry[2])
+                        continue
+                    running.append(entry)
+                    if isinstance(stage, Prefixes):
+                        prefixes.setdefault(stage.model, []).extend(stage.prefixes)
+                    else:
+                        frames.append(stage[0])
+                        ids.append(stage[1])
+                active = running
+                steps = [functools.partial(self.prefill, model, p) for model, p in prefixes.items()]
+                if frames:
+                    steps.append(functools.partial(self.run, pd.concat(frames) if len(frames) > 1 else frames[0],
+                                                   None if any(i is None for i in ids) else [t for i in ids for t in i]))
+                together(steps)
+        finally:
+            for _, gate, tokens in active:
+                gate.give(tokens)
 
-            def enter_following(wave=following):
-                tokens = wave.gate.try_take(wave.tokens)
-                if tokens is not None:
-                    ahead.append(tokens)
-                    self.prefill_shared(wave)
-            try:
-                together([functools.partial(self.calls, wave, after)] + ([enter_following] if following else []))
-            except BaseException:
-                for tokens in ahead:
-                    following.gate.give(tokens)
-                raise
-            finally:
-                wave.gate.give(held)
-            if following is not None:
-                held = ahead[0] if ahead else self.enter(following)
-
-    def enter(self, wave: Wave) -> int:
-        """Wait until the gate lets ``wave``'s tokens in, and compute its shared prefixes: the
-        tokens to give back once it has run."""
-        tokens = wave.gate.take(wave.tokens)
-        self.prefill_shared(wave)
-        return tokens
-
-    def calls(self, wave: Wave, after: pd.DataFrame) -> None:
-        """A wave's calls, then the calls ``after`` its filters, once they have said yes."""
+    def stages(self, wave: Wave, after: pd.DataFrame) -> Iterator[Prefixes | tuple[pd.DataFrame, list | None]]:
+        """A wave's stages, each once the one before it is done: its shared prefixes to
+        compute, then its calls (with their token ids), then the calls ``after`` its filters
+        that they said yes to."""
+        prefixes = wave.prefixes() if all(self.here) else []
+        if prefixes:
+            yield Prefixes(self.ops[int(wave.calls[OP].iat[0])].model, prefixes)
         for phase in wave.phases():
-            self.run(wave.calls.iloc[phase], wave.ids_of(phase))
+            yield wave.calls.iloc[phase], wave.ids_of(phase)
         while not after.empty:
             ready, ids, after = self.decided(after)
             if ready.empty:
-                break
-            self.run(ready, ids)
-
-    def prefill_shared(self, wave: Wave) -> None:
-        prefixes = wave.prefixes() if all(self.here) else []
-        if prefixes:
-            self.prefill(self.ops[int(wave.calls[OP].iat[0])].model, prefixes)
+                return
+            yield ready, ids
 
     def prefill(self, model: str, prefixes: list[tuple[int, ...]]) -> None:
         """Compute ``prefixes`` in the engine's cache at once (each wave's usage its own record).
@@ -302,6 +312,14 @@ class Runs:
                 for i, tokens in zip(where, mine):
                     ids[i] = tokens
         return ready, ids, after[~np.array(known, dtype=bool)]
+
+
+@dataclass(frozen=True)
+class Prefixes:
+    """A wave's stage that computes the prefixes its calls share (token ids) on ``model``'s engine."""
+
+    model: str
+    prefixes: list
 
 
 def attach(conditional: pd.DataFrame, every: list[Wave]) -> list[pd.DataFrame]:
