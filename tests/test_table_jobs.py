@@ -142,3 +142,18 @@ def test_a_gate_lets_a_second_wave_in_only_with_room_and_no_one_waiting():
     gate.give(second)
     waiter.join(timeout=30)
     assert not waiter.is_alive() and gate._used == 100
+
+
+@pytest.mark.timeout(240)
+def test_a_table_without_divisions_is_never_shuffled_to_align_its_columns(client):
+    """A parquet dataset's divisions are unknown: the job's columns are assigned partition by
+    partition (dask would otherwise shuffle the table on its index once per column: 8
+    shuffles for four columns, and 15 s of planning), with the answers of the same table with
+    its divisions known."""
+    known = shuffled_docs(rows=24, npartitions=3)
+    unknown = known.clear_divisions()
+    shuffles = [type(e).__name__ for e in columns(unknown).expr.optimize(fuse=False).walk()
+                if "Shuffle" in type(e).__name__]
+    assert len(shuffles) == 2, shuffles  # the calls grouped by prefix, and their results sent back
+    got = columns(unknown).compute()
+    pd.testing.assert_frame_equal(got, columns(known).compute())

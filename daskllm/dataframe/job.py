@@ -553,11 +553,19 @@ class TableJob:
         for member, result in zip(self.members, results):
             if member.columns is not None:
                 assigned.update(member.columns(result))
+        # With the table's divisions known, dask aligns the results by them for free, and a
+        # column no later step reads is dropped before it is generated. Unknown (a parquet
+        # dataset's), dask would shuffle the whole table on its index to align each column:
+        # the results are assigned partition by partition instead, and every column is made.
+        aligned = self.base.known_divisions
         if assigned:
-            out = out.assign(**assigned)
+            meta = out._meta.assign(**{name: column._meta for name, column in assigned.items()})
+            out = out.assign(**assigned) if aligned else \
+                zipped(_assign, out, *assigned.values(), names=tuple(assigned), meta=meta)
         for member, result in zip(self.members, results):
             if member.mask is not None:
-                out = out[member.mask(result)]
+                mask = member.mask(result)
+                out = out[mask] if aligned else zipped(_keep, out, mask, meta=out._meta)
         return out
 
 
@@ -569,11 +577,13 @@ def job_results(base: dd.DataFrame, members: tuple[Member, ...]) -> list[dd.Data
     rendered = [m.render(base) for m in members]
     calls = []
     for number, (m, r) in enumerate(zip(members, rendered)):
-        frame = base[list(m.slots)].assign(**{KEY: r[KEY]}) if m.slots else r[[KEY]]
+        frame = zipped(_assign, base[list(m.slots)], r[KEY], names=(KEY,), meta=_distinct_meta(base, m.slots)) \
+            if m.slots else r[[KEY]]
         if m.when:
             when = dd.map_partitions(conditions, *[rendered[i][KEY] for i in m.when], numbers=m.when,
                                      first=ops[m.when[0]], skip=skip, meta=WHEN_META, align_dataframes=False)
-            frame = frame.assign(**{WHEN: when[WHEN], WHEN_GROUP: when[WHEN_GROUP]})
+            frame = zipped(_assign, frame, when[WHEN], when[WHEN_GROUP], names=(WHEN, WHEN_GROUP),
+                           meta=frame._meta.assign(**{WHEN: WHEN_META[WHEN], WHEN_GROUP: WHEN_META[WHEN_GROUP]}))
         calls.append(frame.map_partitions(local_distinct, meta=frame._meta)
                      .map_partitions(job_calls, m.op, m.slots, number, skip, meta=CALLS_META, partition_info=True))
     npartitions = base.npartitions
@@ -591,6 +601,27 @@ def job_results(base: dd.DataFrame, members: tuple[Member, ...]) -> list[dd.Data
     return [r.map_partitions(lookup_op, back, number, m.op.name, m.on_error, m.dtype, meta=meta[number],
                              align_dataframes=False)
             for number, (m, r) in enumerate(zip(members, rendered))]
+
+
+def zipped(fn: Callable, *frames, meta, **kwargs) -> dd.DataFrame:
+    """``fn`` over the frames' partitions, the i-th of each together: they hold the same rows
+    (each is derived from the job's table partition by partition), so they are never aligned.
+    With the table's divisions unknown (a parquet dataset's), dask would otherwise shuffle them
+    on their index to align them: the whole table, once per column assigned."""
+    return dd.map_partitions(fn, *frames, meta=meta, align_dataframes=False, **kwargs)
+
+
+def _assign(frame: pd.DataFrame, *columns: pd.Series, names: tuple) -> pd.DataFrame:
+    """``columns`` assigned by position: each holds a value per row of ``frame``, in its order
+    (by index, a table whose index repeats a label could not take them)."""
+    for name, column in zip(names, columns):
+        if len(column) != len(frame):
+            raise ValueError(f"column {name!r}: {len(column)} values for {len(frame)} rows")
+    return frame.assign(**{name: column.array for name, column in zip(names, columns)})
+
+
+def _keep(frame: pd.DataFrame, mask: pd.Series) -> pd.DataFrame:
+    return frame[mask.to_numpy(dtype=bool)]
 
 
 def _distinct_meta(base: dd.DataFrame, slots: tuple) -> pd.DataFrame:
