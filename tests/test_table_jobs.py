@@ -157,3 +157,10 @@ def test_a_table_without_divisions_is_never_shuffled_to_align_its_columns(client
     assert len(shuffles) == 2, shuffles  # the calls grouped by prefix, and their results sent back
     got = columns(unknown).compute()
     pd.testing.assert_frame_equal(got, columns(known).compute())
+
+    def filtered(ddf):  # a filter's mask, and a map on the rows it keeps
+        kept = ddf.llm.filter(TEMPLATE + "Is this about files?", model="tiny")
+        return kept.llm.map(TEMPLATE + QUESTIONS[0], model="tiny", max_tokens=4, out="a0")
+    expected = filtered(known).compute()
+    assert 0 < len(expected) < 24
+    pd.testing.assert_frame_equal(filtered(unknown).compute(), expected)
