@@ -225,8 +225,7 @@ class Runs:
         A wave joins a stage after the other, and each round sends the next stage of both to
         the engine together (one wave's calls beside the other's prefixes, or its calls after a
         filter beside the other's filter calls), so they share engine steps and no step waits
-        on one wave alone. A wave's tokens
-        leave the gate once its last stage is done."""
+        on one wave alone. A wave's tokens leave the gate once its last stage is done."""
         pending = list(zip(every, afters))[::-1]
         active: list[tuple[Iterator, TokenGate, int]] = []
         try:
@@ -240,19 +239,18 @@ class Runs:
                         pending.pop()
                         active.append((self.stages(wave, after), wave.gate, tokens))
                 prefixes: dict[str, list] = {}
-                frames, ids, running = [], [], []
-                for entry in active:
+                frames, ids = [], []
+                for entry in list(active):
                     stage = next(entry[0], None)
-                    if stage is None:
+                    if stage is None:  # its last stage is done
+                        active.remove(entry)
                         entry[1].give(entry[2])
                         continue
-                    running.append(entry)
                     if isinstance(stage, Prefixes):
                         prefixes.setdefault(stage.model, []).extend(stage.prefixes)
                     else:
                         frames.append(stage[0])
                         ids.append(stage[1])
-                active = running
                 steps = [functools.partial(self.prefill, model, p) for model, p in prefixes.items()]
                 if frames:
                     steps.append(functools.partial(self.run, pd.concat(frames) if len(frames) > 1 else frames[0],
