@@ -18,10 +18,11 @@ grouped by shared prefix across rows, partitions and operators, so each prefix i
    tokens fit in ``WAVE_SHARE`` of its engine's KV cache. A wave first computes the prefixes its
    calls share, each once, in one prefill-only engine step (vLLM's scheduler would have calls
    sent in one step each compute a prefix they share); then it sends every operator's calls at
-   once, so they share engine steps and read those prefixes. The next wave may evict those prefixes, since nothing later needs
-   them: that is the order that uses the cache before it evicts, however much larger than the
-   cache the job is. A gate lets two waves (of two tasks) fill an engine's cache together, so
-   one computes prefixes while the other reads its own. Calls the result store answers take no
+   once, so they share engine steps and read those prefixes. The next wave may evict those
+   prefixes, since nothing later needs them: that is the order that uses the cache before it
+   evicts, however much larger than the cache the job is. A gate lets two waves (of one task
+   or two) fill an engine's cache together, so one computes prefixes while the other reads its
+   own. Calls the result store answers take no
    prefill: they run last, outside the gate. A *conditional* call (an operator after a filter
    of the job, on the rows it keeps) is shuffled with its row's filter call and runs in that
    call's wave once the filter has said yes: the document they share is still in the cache.
@@ -42,6 +43,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -72,7 +74,7 @@ OP = "_daskllm_op"  # the operator's number in its job
 ORIGIN = "_daskllm_origin"  # the row partition that asked
 WHEN_GROUP = "_daskllm_when_group"  # a conditional call's shuffle key: its first condition's
 GATE_SHARE = 0.8  # of an engine's KV cache the waves running on it may fill together
-WAVE_SHARE = GATE_SHARE / 2  # of it one wave's distinct prefix tokens may fill: two waves (of two tasks) at once
+WAVE_SHARE = GATE_SHARE / 2  # of it one wave's distinct prefix tokens may fill: two waves at once
 
 CALLS_META = pd.DataFrame({ORDER: pd.Series([], dtype=STRING), GROUP: pd.Series([], dtype=STRING),
                            OP: pd.Series([], dtype="int64"), KEY: pd.Series([], dtype=STRING),
@@ -202,6 +204,9 @@ class Runs:
         self.done: set[tuple[int, str]] = set()  # conditional calls run
         self.fresh_ids: list = []  # prompts of conditional calls the result store did not answer
         self.prefill_keys: list[str] = []  # the usage records of the waves' shared prefixes
+        # The task running them, read here, on its thread: a stage runs on a shared thread,
+        # which has no task key of its own (and records under one name would replace each other).
+        self.task_key = getattr(thread_state, "key", None) or f"table-job-{uuid.uuid4().hex[:12]}"
 
     def run(self, calls: pd.DataFrame, ids: list | None = None) -> None:
         """Run ``calls``: one run per operator, all at once (their requests join the same engine steps)."""
@@ -278,10 +283,9 @@ class Runs:
     def prefill(self, model: str, prefixes: list[tuple[int, ...]]) -> None:
         """Compute ``prefixes`` in the engine's cache at once (each wave's usage its own record).
         A prefill that fails costs only time: the calls compute their prefixes themselves."""
-        task_key = getattr(thread_state, "key", None) or "table-job"
-        self.prefill_keys.append(f"{task_key}-prefix-{len(self.prefill_keys)}")
+        self.prefill_keys.append(f"{self.task_key}-prefix-{len(self.prefill_keys)}")
         try:
-            run_prefill_many(task_key, model, prefixes, record_key=self.prefill_keys[-1])
+            run_prefill_many(self.task_key, model, prefixes, record_key=self.prefill_keys[-1])
         except Exception:  # noqa: BLE001 - an optimization; the calls that follow report real failures
             logger.warning("table job: prefilling %d shared prefixes failed; the calls compute them", len(prefixes),
                            exc_info=True)
@@ -556,10 +560,11 @@ class TableJob:
         # dataset's), dask would shuffle the whole table on its index to align each column:
         # the results are assigned partition by partition instead, and every column is made.
         aligned = self.base.known_divisions
-        if assigned:
+        if assigned and aligned:
+            out = out.assign(**assigned)
+        elif assigned:
             meta = out._meta.assign(**{name: column._meta for name, column in assigned.items()})
-            out = out.assign(**assigned) if aligned else \
-                zipped(_assign, out, *assigned.values(), names=tuple(assigned), meta=meta)
+            out = zipped(_assign, out, *assigned.values(), names=tuple(assigned), meta=meta)
         for member, result in zip(self.members, results):
             if member.mask is not None:
                 mask = member.mask(result)
