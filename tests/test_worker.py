@@ -204,3 +204,19 @@ def test_tasks_waiting_on_the_engine_release_their_threads(llm_cluster):
         released = daskllm.compute(*calls, passes=[], granularity="query", result_cache=False)
         assert max(client.run(_max_batch).values()) > 1
     assert released == held
+
+
+def test_work_submitted_from_a_shared_thread_stays_work_of_its_task():
+    """A shared thread runs work of a worker task (``WORK_OF``); what it hands to further
+    shared threads is registered under the same task, so cancelling the task aborts it too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from daskllm.worker.host import WORK_OF
+    from daskllm.worker.parts import _InWorker
+
+    with ThreadPoolExecutor(2) as pool:
+        def on_shared_thread():
+            WORK_OF.set("table-task-1")  # as _in_task sets it for the task's first hand-off
+            return _InWorker(pool).submit(WORK_OF.get).result(timeout=30)
+
+        assert pool.submit(on_shared_thread).result(timeout=30) == "table-task-1"

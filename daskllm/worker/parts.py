@@ -129,7 +129,8 @@ class _InWorker:
         self.pool = pool
         self._max_workers = pool._max_workers  # what dask.threaded.get reads
         self.context = contextvars.copy_context()
-        self.task_key = getattr(thread_state, "key", None)
+        # On a shared thread (work submitted by work of a task), the task it is work of.
+        self.task_key = getattr(thread_state, "key", None) or WORK_OF.get()
 
     def submit(self, fn, *args, **kwargs):
         return self.pool.submit(self.context.copy().run, _in_task, self.task_key, fn, *args, **kwargs)
