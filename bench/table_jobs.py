@@ -16,6 +16,10 @@ the job's distinct prefix tokens), one engine on every core:
 * ``vllm-loop``: vLLM's ``LLM.generate`` once per operator, rows in table order (the natural loop);
 * ``vllm-sorted``: every prompt of the job in one ``LLM.generate``, sorted by the shared column
   (the strongest user; for ``filter-map`` two calls, the map's after the filter's).
+* ``dask-batched``: plain Dask on the same vLLM workers as ``daskllm``: one ``map_partitions``
+  per operator, each sending its partition's prompts (the same token ids) to the worker's
+  resident engine in one batch; all operators in one ``compute`` (a filter's map on the rows
+  it keeps), so their batches reach the engine together.
 
 Reported per system: wall time (median of interleaved repeats), prefill tokens computed against
 the distinct-prefix bound (distinct full KV blocks plus each distinct prompt's partial last
@@ -35,7 +39,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]  # pipelines.vllm_alone: the harness's vLLM-alone engines
 
 JOBS = ("columns", "modules", "filter-map")
-SYSTEMS = ("daskllm", "daskllm-torch", "vllm-loop", "vllm-sorted")
+SYSTEMS = ("daskllm", "daskllm-torch", "dask-batched", "vllm-loop", "vllm-sorted")
 QUESTIONS = ("What does it return?", "Which arguments does it take?", "Is it deprecated?",
              "Give one example of its use.")
 COLUMNS_TEMPLATE = "Documentation of {qualname}:\n{doc}\n\nQuestion: "
@@ -80,6 +84,35 @@ def daskllm_job(ddf, job: str, model: str, max_tokens: int):
         else:
             ddf = ddf.llm.map(template, model=model, max_tokens=max_tokens, out=f"a{i}")
     return ddf
+
+
+def plain_dask_job(ddf, job: str, model: str, max_tokens: int):
+    """What a competent plain Dask user writes: one ``map_partitions`` per operator, each
+    partition's prompts (token ids, operator i's in column ``_ids{i}``) sent to the worker's engine at
+    once; a map after a filter runs on the rows the filter keeps."""
+    from daskllm.dataframe.ops import yes_no
+
+    for i, (kind, _) in enumerate(operators(job)):
+        if kind == "filter":
+            ddf = ddf[ddf.map_partitions(_said_yes, f"_ids{i}", model, tuple(yes_no(model)), meta=pd.Series([], dtype=bool))]
+        else:
+            ddf = ddf.assign(**{f"a{i}": ddf.map_partitions(_generate_part, f"_ids{i}", model, max_tokens, (),
+                                                             meta=pd.Series([], dtype=object))})
+    return ddf
+
+
+def _generate_part(part: pd.DataFrame, column: str, model: str, max_tokens: int, allowed: tuple) -> pd.Series:
+    from daskllm import SamplingParams, get_engine
+
+    params = SamplingParams(max_tokens=max_tokens, allowed_token_ids=allowed)
+    prompts = [list(ids) for ids in part[column]]
+    texts = [c.text for c in get_engine(model).generate(prompts, params)] if prompts else []
+    return pd.Series(texts, index=part.index, dtype=object)
+
+
+def _said_yes(part: pd.DataFrame, column: str, model: str, allowed: tuple) -> pd.Series:
+    said = _generate_part(part, column, model, 1, allowed)
+    return pd.Series([t.strip().lower().startswith("y") for t in said], index=part.index, dtype=bool)
 
 
 def prompt_ids(frame: pd.DataFrame, kind: str, template: str, model: str, max_tokens: int) -> list:
@@ -169,29 +202,38 @@ def main(args) -> int:
         workers = args.job_workers
         # The same KV cache in all: split between daskllm's workers (each at least vLLM's floor).
         per_worker = max((max_len(model) // block + 1) * block, kv // workers // block * block)
-        for system in [s for s in args.systems if s.startswith("daskllm")]:
-            backend = "vllm" if system == "daskllm" else "torch"
+        # daskllm and plain Dask share the vLLM workers (each run starts with an empty prefix cache).
+        backends = {s: "torch" if s == "daskllm-torch" else "vllm" for s in args.systems if not s.startswith("vllm")}
+        for backend in sorted(set(backends.values())):
             with dask.config.set(settings):
-                cluster = daskllm.LocalLLMCluster(models=[model], n_workers=workers, backend=backend, embedders=(),
-                                                  rerankers=(), engine_options={"kv_cache_tokens": per_worker},
-                                                  dashboard_address="127.0.0.1:0")
-            clusters[system] = cluster
+                clusters[backend] = daskllm.LocalLLMCluster(
+                    models=[model], n_workers=workers, backend=backend, embedders=(), rerankers=(),
+                    engine_options={"kv_cache_tokens": per_worker}, dashboard_address="127.0.0.1:0")
         for rep in range(args.reps):
             for system in args.systems:
                 if system.startswith("vllm"):
                     seconds, computed, answers, batch = alone_run(engine, system == "vllm-sorted")
                 else:
-                    with Client(clusters[system], set_as_default=False) as client, dask.config.set(settings):
+                    with Client(clusters[backends[system]], set_as_default=False) as client, \
+                            dask.config.set(settings):
                         client.run(reset_prefix_caches)  # a cold cache, as vLLM alone's
-                        steps, sequences = _engine_steps(client)
-                        ddf = dd.from_pandas(rows, npartitions=max(2, args.partitions))
+                        steps, sequences, prefilled = _engine_steps(client)
+                        if system == "dask-batched":  # the prompts' ids, as daskllm sends them (lists, not strings)
+                            with dask.config.set({"dataframe.convert-string": False}):
+                                ddf = dd.from_pandas(rows.assign(**{f"_ids{i}": ids for i, ids in enumerate(every)}),
+                                                     npartitions=max(2, args.partitions))
+                            job_of = plain_dask_job
+                        else:
+                            ddf = dd.from_pandas(rows, npartitions=max(2, args.partitions))
+                            job_of = daskllm_job
                         started = time.perf_counter()
                         with client.as_current(), daskllm.usage() as u:
-                            out = daskllm_job(ddf, job, model, max_tokens).compute()
+                            out = job_of(ddf, job, model, max_tokens).compute()
                         seconds = time.perf_counter() - started
-                        after_steps, after_sequences = _engine_steps(client)
+                        after_steps, after_sequences, after_prefilled = _engine_steps(client)
                         batch = (after_sequences - sequences) / max(1, after_steps - steps)
-                        computed = u.prefill_tokens_computed
+                        # Plain Dask's calls are not metered: the engines' counter says what they computed.
+                        computed = u.prefill_tokens_computed if system != "dask-batched" else after_prefilled - prefilled
                         if u.distinct_prompt_tokens is not None and u.distinct_prompt_tokens != distinct:
                             print(f"  note: {system}'s usage counts a bound of {u.distinct_prompt_tokens}", flush=True)
                         answers = [out[f"a{i}"].tolist() for i, (kind, _) in enumerate(ops) if kind == "map"]
@@ -221,13 +263,14 @@ def main(args) -> int:
     return 0
 
 
-def _engine_steps(client) -> tuple[int, int]:
-    """The cluster's LLM engines' steps and the sequences they carried, summed (a step's mean
-    batch is their ratio)."""
+def _engine_steps(client) -> tuple[int, int, int]:
+    """The cluster's LLM engines' steps, the sequences they carried (a step's mean batch is
+    their ratio) and the prefill tokens they computed, summed."""
     from daskllm.worker import engine_stats
 
     stats = [s for per_worker in client.run(engine_stats).values() for s in per_worker.values()]
-    return sum(s["steps"] for s in stats), sum(s["batched_sequences"] for s in stats)
+    return (sum(s["steps"] for s in stats), sum(s["batched_sequences"] for s in stats),
+            sum(s["prefill_tokens_computed"] for s in stats))
 
 
 def _agreement(answers: list, reference: list) -> float:
