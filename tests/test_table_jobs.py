@@ -65,8 +65,10 @@ def test_four_question_columns_compute_each_prefix_once_and_equal_each_column_al
     assert [u.operators["map"][k] for k in ("rows", "distinct", "failed")] == [4 * 120, 4 * 120, 0]
     expected = ddf.compute()
     pd.testing.assert_frame_equal(joint[["qualname", "doc"]], expected)  # the table's rows, in its order
-    for i, question in enumerate(QUESTIONS):
-        alone = ddf.llm.map(TEMPLATE + question, model="tiny", max_tokens=4, out=f"a{i}").compute()
+    # Each column alone: four jobs of one operator each (built apart from one frame), computed at once.
+    alones = dask.compute(*[ddf.llm.map(TEMPLATE + q, model="tiny", max_tokens=4, out=f"a{i}")
+                            for i, q in enumerate(QUESTIONS)])
+    for i, (question, alone) in enumerate(zip(QUESTIONS, alones)):
         assert alone[f"a{i}"].tolist() == joint[f"a{i}"].tolist(), question
         assert joint[f"a{i}"].notna().all()
 
