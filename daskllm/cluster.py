@@ -27,7 +27,7 @@ from daskllm import config
 
 from daskllm.adaptive import AdaptiveTarget
 from daskllm.dashboard import DashboardPlugin
-from daskllm.engines import EngineSpec, sizing
+from daskllm.engines import EngineSpec, runs_vllm, sizing
 from daskllm.engines.vllm import CPU_BLOCK_MULTIPLE
 from daskllm.ledger import UsageLedger
 from daskllm.models import DEFAULT_EMBEDDING_MODEL, resolve
@@ -196,15 +196,15 @@ class LocalLLMCluster(LocalCluster):
             # vLLM runs its engine core in a child process, which daemonic workers may not
             # have. The nanny reads this when it (re)starts a worker, so it stays set.
             dask.config.set({"distributed.worker.daemon": False})
-        if any(s.kind == "llm" and (s.backend or config.get("engine.backend")) == "vllm" for s in self.engine_specs):
+        vllm_workers = runs_vllm(self.engine_specs)
+        if vllm_workers:
             settings_for_vllm(on_cpu=not self.gpus)
         n_workers = 1 if n_workers is None else n_workers
         defaults = dict(engine_options or {})
         if not self.gpus:
             defaults.setdefault("num_threads", default_num_threads(n_workers))
         kwargs.setdefault("processes", True)
-        vllm_on_cpu = not self.gpus and any(s.kind == "llm" and (s.backend or config.get("engine.backend")) == "vllm"
-                                            for s in self.engine_specs)
+        vllm_on_cpu = not self.gpus and vllm_workers
         # One worker leaves its engine unbound: measured faster (its Dask and Python threads share
         # the cores with the engine's); several are faster each on its own cores (docs/vllm.md).
         self.cpu_shares = n_workers if vllm_on_cpu and kwargs["processes"] and n_workers > 1 \

@@ -23,6 +23,7 @@ from distributed.cli.dask_worker import main as dask_worker
 
 from daskllm import config
 from daskllm.cluster import DASHBOARD_ADDRESS, NO_MALLOC_TRIM, discover_gpus, scheduler_plugins, settings_for_vllm
+from daskllm.engines import BACKENDS, EngineSpec, runs_vllm
 from daskllm.placement import POLICIES
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
@@ -83,7 +84,9 @@ def dask_setup(scheduler, policy: str | None) -> None:
 @click.option("--model", "models", multiple=True, help="LLM to keep resident: recipe name or HF directory (repeatable).")
 @click.option("--embedder", "embedders", multiple=True, help="Embedding model to keep resident (repeatable).")
 @click.option("--reranker", "rerankers", multiple=True, help="Reranker to keep resident (repeatable).")
-@click.option("--backend", default=None, help="Engine backend (default: daskllm.engine.backend; see daskllm.preload).")
+@click.option("--backend", type=click.Choice(BACKENDS), default=None,
+              help="Engine backend of the models that name none (default: daskllm.engine.backend; auto: vLLM on "
+                   "a CUDA GPU where vllm is installed, else torch, or llama.cpp for a GGUF model).")
 @click.option("--option", "options", multiple=True, help="Engine option KEY=VALUE, e.g. kv_cache_tokens=65536 "
               "(repeatable).")
 @click.option("--engine-threads", type=int, default=None, help="torch threads per engine (default: all cores).")
@@ -111,7 +114,8 @@ def worker(address: str | None, scheduler_file: str | None, models: tuple[str, .
     args += (["--daskllm-backend", backend] if backend else []) + \
         (["--daskllm-threads", str(engine_threads)] if engine_threads else [])
     dask.config.set(NO_MALLOC_TRIM)  # for this process's nannies: Dask's setting slows torch
-    if (backend or config.get("engine.backend")) == "vllm":  # non-daemonic workers; 32-token blocks on CPU
+    specs = EngineSpec.expand(models, embedders, rerankers, backend=backend)
+    if runs_vllm(specs):  # non-daemonic workers; 32-token blocks on CPU (auto decided as the workers will)
         settings_for_vllm(on_cpu=not discover_gpus())
     dask_worker.main(args, prog_name="dask llm worker")
 

@@ -83,6 +83,17 @@ def test_daskllm_help():
     assert "demo" in out and "models" in out
 
 
+def test_serve_backend_is_one_of_the_engines_and_not_for_a_cluster_it_joins():
+    from click.testing import CliRunner
+
+    from daskllm.cli import main
+
+    joined = CliRunner().invoke(main, ["serve", "--scheduler", "tcp://127.0.0.1:8786", "--backend", "vllm"])
+    assert joined.exit_code == 2 and "with --scheduler the workers already hold theirs" in joined.output
+    unknown = CliRunner().invoke(main, ["serve", "--backend", "cuda"])
+    assert unknown.exit_code == 2 and "'cuda' is not one of 'torch', 'vllm'" in unknown.output
+
+
 def test_demo_runs_end_to_end_with_right_readable_answers(tmp_path, smollm2_model_dir):
     """`daskllm demo` as a user runs it (the default model, smollm2), made smaller: it answers,
     the answers name the right modules, every plan gives the same answers, and it prints no

@@ -78,6 +78,22 @@ def test_worker_passes_dask_options_through_and_turns_malloc_trim_off(launched):
                       "--daskllm-model", "tiny", "--daskllm-model", "smollm2"]
 
 
+def test_worker_backend_auto_takes_the_vllm_settings_only_where_it_means_vllm(launched, monkeypatch):
+    """`--backend auto` is decided as the worker will decide it (vLLM on a CUDA GPU where vllm
+    is installed): only then do the workers get vLLM's settings (non-daemonic, for its engine core)."""
+    import daskllm.dask_cli as cli
+    import daskllm.engines as engines
+
+    applied = []
+    monkeypatch.setattr(cli, "settings_for_vllm", lambda on_cpu: applied.append(on_cpu))
+    monkeypatch.setattr(cli, "discover_gpus", lambda: [0])
+    for gpu_with_vllm in (False, True):
+        monkeypatch.setattr(engines, "_cuda_with_vllm", lambda answer=gpu_with_vllm: answer)
+        run("worker", "tcp://10.0.0.1:8786", "--model", "tiny", "--backend", "auto")
+    run("worker", "tcp://10.0.0.1:8786", "--embedder", "all-MiniLM-L6-v2", "--backend", "vllm")  # no LLM
+    assert applied == [False] and len(launched) == 3
+
+
 def test_worker_takes_the_scheduler_address_from_dask_config(launched):
     # As on dask-kubernetes, which sets DASK_SCHEDULER_ADDRESS and appends --name etc.
     with dask.config.set({"scheduler-address": "tcp://scheduler:8786"}):
@@ -107,6 +123,8 @@ def test_the_documented_commands_parse(launched, args):
     (["tcp://10.0.0.1:8786"], "at least one --model"),
     (["--model", "tiny"], "scheduler's address"),
     (["--nthreads", "4", "tcp://10.0.0.1:8786", "--model", "tiny"], "address first"),
+    (["tcp://10.0.0.1:8786", "--model", "tiny", "--backend", "vlm"],
+     "'vlm' is not one of 'torch', 'vllm', 'llamacpp', 'auto', 'openai'"),
 ])
 def test_worker_usage_errors(launched, args, message):
     result = CliRunner().invoke(llm, ["worker", *args])

@@ -401,6 +401,14 @@ def test_overflow_is_context_length_exceeded_naming_the_prompt_field():
         api.check_context(chat, 2048, 2048)
     assert (error.value.status, error.value.code, error.value.param) == (400, "context_length_exceeded", "messages")
     assert "maximum context length is 2048 tokens" in str(error.value)
+    assert "your messages have 2048 tokens" in str(error.value)
+    (default_completion,) = completion(prompt="x")  # no max_tokens: the prompt and one token must fit
+    with pytest.raises(APIError) as error:
+        api.check_context(default_completion, 2048, 2048)
+    assert "your prompt has 2048 tokens, and at least one token must be generated" in str(error.value)
+    with pytest.raises(APIError) as error:
+        api.check_context(responses.call(responses.ResponsesRequest(model="tiny", input="hi")), 2048, 2048)
+    assert "your input has 2048 tokens" in str(error.value)
     (completion_call,) = completion(prompt="x", max_tokens=100)
     api.check_context(completion_call, 1948, 2048)
     with pytest.raises(APIError) as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import pathlib
 import signal
@@ -21,7 +22,7 @@ import pytest
 
 import daskllm
 from daskllm.engines import SamplingParams
-from helpers import wait_for
+from helpers import vllm_unavailable, wait_for
 from daskllm.serve import Service, serving
 from daskllm.serve.openai_api import Call
 from daskllm.serve.relay import StreamRelay
@@ -484,6 +485,35 @@ def _group(pgid: int) -> list[int]:
     return members
 
 
+@pytest.mark.vllm
+def test_serve_with_backend_vllm_answers_from_vllm_engines(daskllm_cache, tmp_path):
+    """`daskllm serve --backend vllm` starts its local workers on vLLM engines: a vLLM engine
+    core runs in its process group and answers; it stops cleanly."""
+    import time
+
+    if reason := vllm_unavailable():
+        pytest.skip(reason)
+    proc, log = _serve(tmp_path, "--backend", "vllm", "--embedder", "all-MiniLM-L6-v2")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            base = pool.submit(_listening_line, proc).result(timeout=300).rsplit(" ", 1)[-1]
+        client = openai.OpenAI(base_url=base, api_key="none", timeout=DEADLINE, max_retries=0)
+        done = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=4,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 4 and done.choices[0].finish_reason == "length"
+        titles = []
+        for pid in _group(proc.pid):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                titles.append(pathlib.Path(f"/proc/{pid}/cmdline").read_bytes())
+        assert any(b"EngineCore" in t for t in titles), titles  # vLLM's engine core, not the torch engine
+        os.killpg(proc.pid, signal.SIGTERM)
+        _ends_cleanly(proc, log, time.monotonic())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
 def _listening_line(proc) -> str:
     for line in proc.stdout:
         if "listening on" in line:
@@ -653,6 +683,12 @@ def test_errors_say_what_is_wrong_and_requests_are_logged(url, caplog):
     error = bad.json()["error"]
     assert error["param"] is None and error["type"] == "invalid_request_error"
     assert "not valid JSON" in error["message"] and "Expecting value at line 2 column 15" in error["message"]
+    # Valid JSON sent as another media type: the content type is named (FastAPI reads only JSON as JSON).
+    plain = httpx.post(f"{url}/chat/completions", content=b'{"model": "tiny", "messages": []}',
+                       headers={"content-type": "text/plain"}, timeout=DEADLINE)
+    assert plain.status_code == 400, plain.text
+    assert "Content-Type: application/json" in plain.json()["error"]["message"]
+    assert "this request's Content-Type is text/plain" in plain.json()["error"]["message"]
     nowhere = httpx.post(f"{url}/nowhere", json={}, timeout=DEADLINE)
     error = nowhere.json()["error"]
     assert nowhere.status_code == 404 and error["type"] == "not_found_error"

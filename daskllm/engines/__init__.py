@@ -156,6 +156,12 @@ class EngineSpec:
         return TorchEngine(self.model, name=self.engine_name, **options)
 
 
+def runs_vllm(specs: Iterable[EngineSpec]) -> bool:
+    """Whether a worker holding ``specs`` (on this machine) runs a vLLM engine, ``auto``
+    decided as the worker will decide it: what needs non-daemonic workers and vLLM's settings."""
+    return any(s.kind == "llm" and s.resolved_backend() == "vllm" for s in specs)
+
+
 def _cuda() -> bool:
     import torch
 

@@ -65,7 +65,7 @@ def create_app(service: Service, *, api_key: str | None = None, access_log: bool
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return await api_error(request, _validation_error(exc))
+        return await api_error(request, _validation_error(exc, request.headers.get("content-type")))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):  # no such route, wrong method
@@ -163,10 +163,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of a request FastAPI could not read, as OpenAI's 400: the field it names,
-    or, for a body that is not JSON, where (line and column) and what the parser expected."""
+def _validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
+    """The first problem of a request FastAPI could not read, as OpenAI's 400: the field it names;
+    for a body that is not JSON, where (line and column) and what the parser expected; for a
+    body sent as another media type (FastAPI reads only JSON as JSON), that type."""
     first = exc.errors()[0] if exc.errors() else {}
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json") and tuple(first.get("loc", ())) == ("body",):
+        return APIError(f"the body must be JSON sent with Content-Type: application/json; this request's "
+                        f"Content-Type is {content_type}")
     if first.get("type") == "json_invalid":
         position = next((p for p in first.get("loc", ()) if isinstance(p, int)), 0)
         body = exc.body if isinstance(exc.body, str) else (exc.body or b"").decode("utf-8", "replace") \

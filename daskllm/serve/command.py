@@ -11,6 +11,7 @@ from distributed import Client
 
 from daskllm import config
 from daskllm.cluster import DASHBOARD_ADDRESS, LocalLLMCluster
+from daskllm.engines import BACKENDS
 from daskllm.models import DEFAULT_EMBEDDING_MODEL, ModelNotFoundError
 from daskllm.serve.server import Interrupted, run, stop_on_signals
 from daskllm.serve.service import Service
@@ -30,6 +31,9 @@ from daskllm.worker.control import wait_held
 @click.option("--workers", "n_workers", default=2, show_default=True, help="Local worker processes.")
 @click.option("--threads", "threads_per_worker", default=16, show_default=True, help="Dask threads per local worker.")
 @click.option("--scheduler", default=None, help="Join this Dask scheduler instead of starting a local cluster.")
+@click.option("--backend", type=click.Choice(BACKENDS), default=None,
+              help="Engine backend of the local cluster's workers (default: daskllm.engine.backend). Not with "
+                   "--scheduler: there the workers decide (dask llm worker --backend).")
 @click.option("--api-key", envvar="DASKLLM_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (default: $DASKLLM_API_KEY; none: open).")
 @click.option("--window", default=100.0, show_default=True,
@@ -45,10 +49,13 @@ from daskllm.worker.control import wait_held
 @click.option("--access-log/--no-access-log", default=None,
               help="A line per request on stderr: method, path, status, model, tokens, latency, request id "
                    "(default: the config key daskllm.serve.access-log, true).")
-def serve_command(models, embedders, host, port, n_workers, threads_per_worker, scheduler, api_key, window,
+def serve_command(models, embedders, host, port, n_workers, threads_per_worker, scheduler, backend, api_key, window,
                   max_batch, no_consolidate, pipelines, dashboard_address, access_log):
     """Serve LLMs over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/responses,
     /v1/embeddings, /v1/models), with requests consolidated into joint plans on a Dask cluster."""
+    if scheduler is not None and backend is not None:
+        raise click.UsageError("--backend sets the engines of the local cluster serve starts; with --scheduler the "
+                               "workers already hold theirs (start them with: dask llm worker --backend ...)")
     stop_on_signals()
     if access_log is None:
         access_log = bool(config.get("serve.access-log", True))
@@ -58,7 +65,8 @@ def serve_command(models, embedders, host, port, n_workers, threads_per_worker, 
         if scheduler is None:
             cluster = LocalLLMCluster(models=list(models) or None,
                                       embedders=list(embedders) or [DEFAULT_EMBEDDING_MODEL], n_workers=n_workers,
-                                      threads_per_worker=threads_per_worker, dashboard_address=dashboard_address)
+                                      threads_per_worker=threads_per_worker, dashboard_address=dashboard_address,
+                                      backend=backend)
         with Client(cluster if cluster is not None else scheduler) as client:
             if cluster is not None:  # "listening" means a worker holds each model
                 wait_held(client, cluster.models)

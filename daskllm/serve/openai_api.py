@@ -325,7 +325,8 @@ def check_context(call: Call, prompt_tokens: int, context: int) -> None:
     if prompt_tokens + limit <= context:
         return
     if given is None:
-        asked = f"your {field} have {prompt_tokens} tokens, and at least one token must be generated"
+        verb = "have" if field == "messages" else "has"  # "your messages have", "your prompt has"
+        asked = f"your {field} {verb} {prompt_tokens} tokens, and at least one token must be generated"
     else:
         asked = (f"you requested {prompt_tokens + limit} tokens ({prompt_tokens} in the {field}, {limit} in the "
                  f"completion)")
