@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 
+import dask
 import numpy as np
 import pytest
 
@@ -29,7 +30,12 @@ def test_defaults_follow_openai():
     (call,) = completion(prompt="x")
     assert call.options["max_tokens"] == 16 and call.options["temperature"] == 1.0
     chat = api.chat_call(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}]))
-    assert chat.options["max_tokens"] == 512 and chat.kind == "chat"
+    assert chat.fill_context and chat.kind == "chat"  # no cap: the context's room, once the prompt is known
+    assert not api.chat_call(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=7)).fill_context
+    with dask.config.set({"daskllm.serve.default-max-tokens": 300}):  # the operator's default
+        capped = api.chat_call(api.ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}]))
+    assert capped.options["max_tokens"] == 300 and not capped.fill_context
 
 
 def test_n_choices_greedy_copies_seeded_draws_and_indices():

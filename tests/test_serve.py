@@ -514,6 +514,25 @@ def test_serve_with_backend_vllm_answers_from_vllm_engines(daskllm_cache, tmp_pa
             proc.wait(30)
 
 
+def test_a_request_with_no_limit_generates_what_the_context_leaves(cluster, client, url):
+    """No hidden cap (vLLM's and OpenAI's behaviour): a chat or a response that sets no output
+    limit may generate to the end of the model's context; /v1/responses echoes the limit applied."""
+    from daskllm.runtime.view import take_view
+
+    # The workers report their models' contexts with their heartbeats (until then the limit is 512).
+    wait_for(lambda: take_view(cluster, fresh=True).context("tiny"), DEADLINE, what="tiny's context in the view")
+    long = " ".join(["tea"] * 700)  # 1,400 tokens: tiny holds 2,048, so about 600 are left
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long}], temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert 400 < chat.usage.completion_tokens == 2048 - chat.usage.prompt_tokens
+    assert chat.choices[0].finish_reason == "length"
+    response = httpx.post(f"{url}/responses", json={"model": "tiny", "input": long, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=DEADLINE).json()
+    room = 2048 - response["usage"]["input_tokens"]
+    assert response["status"] == "incomplete" and response["incomplete_details"]["reason"] == "max_output_tokens"
+    assert response["max_output_tokens"] == room == response["usage"]["output_tokens"]
+
+
 def _listening_line(proc) -> str:
     for line in proc.stdout:
         if "listening on" in line:

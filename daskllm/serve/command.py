@@ -7,6 +7,7 @@ import logging
 import sys
 
 import click
+import dask
 from distributed import Client
 
 from daskllm import config
@@ -34,6 +35,9 @@ from daskllm.worker.control import wait_held
 @click.option("--backend", type=click.Choice(BACKENDS), default=None,
               help="Engine backend of the local cluster's workers (default: daskllm.engine.backend). Not with "
                    "--scheduler: there the workers decide (dask llm worker --backend).")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=None,
+              help="Output limit of a chat or Responses request that sets none (default: what the model's "
+                   "context leaves after the prompt; config daskllm.serve.default-max-tokens).")
 @click.option("--api-key", envvar="DASKLLM_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (default: $DASKLLM_API_KEY; none: open).")
 @click.option("--window", default=100.0, show_default=True,
@@ -49,13 +53,16 @@ from daskllm.worker.control import wait_held
 @click.option("--access-log/--no-access-log", default=None,
               help="A line per request on stderr: method, path, status, model, tokens, latency, request id "
                    "(default: the config key daskllm.serve.access-log, true).")
-def serve_command(models, embedders, host, port, n_workers, threads_per_worker, scheduler, backend, api_key, window,
-                  max_batch, no_consolidate, pipelines, dashboard_address, access_log):
+def serve_command(models, embedders, host, port, n_workers, threads_per_worker, scheduler, backend,
+                  default_max_tokens, api_key, window, max_batch, no_consolidate, pipelines, dashboard_address,
+                  access_log):
     """Serve LLMs over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/responses,
     /v1/embeddings, /v1/models), with requests consolidated into joint plans on a Dask cluster."""
     if scheduler is not None and backend is not None:
         raise click.UsageError("--backend sets the engines of the local cluster serve starts; with --scheduler the "
                                "workers already hold theirs (start them with: dask llm worker --backend ...)")
+    if default_max_tokens is not None:
+        dask.config.set({"daskllm.serve.default-max-tokens": default_max_tokens})
     stop_on_signals()
     if access_log is None:
         access_log = bool(config.get("serve.access-log", True))

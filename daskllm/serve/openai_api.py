@@ -20,13 +20,15 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from daskllm import config
 from daskllm.prompts import Prompt, Text, as_prompt, chat, tokens
 from daskllm.serve.tools import ToolCall, ToolError, Tools, parse, tools_of
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
-# max_tokens when a request gives none: OpenAI's 16 for completions; for a chat (and a
-# response) a bound a small model's answer fits in, where OpenAI's is the context's room.
+# max_tokens when a request gives none: OpenAI's and vLLM's 16 for completions; for a chat
+# (and a response) the context's room after the prompt (Call.fill_context), or the operator's
+# daskllm.serve.default-max-tokens; CHAT_MAX_TOKENS only where the model reports no context.
 COMPLETION_MAX_TOKENS = 16
 CHAT_MAX_TOKENS = 512
 MAX_N = 128  # choices per request: one request cannot fill the engines' queues
@@ -162,6 +164,7 @@ class Call:
     messages: list[dict] | None = None  # the chat, where the prompt is rendered with tools
     prompt_field: str = "prompt"  # the request's field the prompt came from (messages, input): errors name it
     max_tokens_field: str | None = None  # the field that set max_tokens (None: the default)
+    fill_context: bool = False  # no limit set: max_tokens becomes the context's room once the prompt is tokenized
     index: int = 0  # the choice this call answers
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # the request's (its choices share it)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -288,7 +291,8 @@ def chat_call(req: ChatRequest) -> Call:
         raise APIError(str(exc), param=exc.param) from None
     limit = ("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None \
         else ("max_tokens", req.max_tokens)
-    options = _options(req, limit, CHAT_MAX_TOKENS)
+    server_default = config.get("serve.default-max-tokens", None)
+    options = _options(req, limit, server_default or CHAT_MAX_TOKENS)
     if req.response_format:
         options.update(_response_format(req.response_format))
     if tools is not None and (schema := tools.schema()) is not None:
@@ -314,6 +318,7 @@ def chat_call(req: ChatRequest) -> Call:
     call.tools = tools
     call.prompt_field = "messages"
     call.max_tokens_field = limit[0] if limit[1] is not None else None
+    call.fill_context = limit[1] is None and not server_default
     return call
 
 

@@ -51,6 +51,7 @@ class ResponsesRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension: generate to the limit
     stream: bool = False
     text: dict | None = None
     tools: list[dict] | None = None
@@ -76,6 +77,7 @@ def call(req: ResponsesRequest) -> Call:
     messages += _messages(items)
     c = chat_call(ChatRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                               temperature=req.temperature, top_p=req.top_p, seed=req.seed, stream=req.stream,
+                              ignore_eos=req.ignore_eos,
                               response_format=_response_format(req.text), tools=_chat_tools(req.tools),
                               tool_choice=_chat_tool_choice(req.tool_choice),
                               parallel_tool_calls=req.parallel_tool_calls))
@@ -167,7 +169,7 @@ def body(req: ResponsesRequest, c: Call, result: Result | None, *, output: list[
             "model": c.model, "output": output,
             "error": {"code": "server_error", "message": error} if error else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "instructions": req.instructions, "max_output_tokens": c.options["max_tokens"],
             "temperature": req.temperature, "top_p": req.top_p, "text": req.text or {"format": {"type": "text"}},
             "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,

@@ -107,6 +107,8 @@ class Service:
             context = take_view(self.client, fresh=True).context(call.model)
         if context is not None:
             check_context(call, len(ids), context)
+            if call.fill_context:  # no limit set: what the context leaves after the prompt, as vLLM gives
+                call.options["max_tokens"] = context - len(ids)
         return ids
 
     async def complete(self, calls: list[Call]) -> list[Result]:
@@ -114,6 +116,7 @@ class Service:
             self.check_model(call.model)
         nodes = [self.node(c) for c in calls]
         ids = [self.prompt_ids(c, n) for c, n in zip(calls, nodes)]
+        nodes = [self.node(c) if c.fill_context else n for c, n in zip(calls, nodes)]  # their limit now set
         records = await asyncio.gather(*(self.consolidator.run(n, priority=c.priority, deadline_ms=c.deadline_ms)
                                          for n, c in zip(nodes, calls)))
         return [Result.from_record(r, i) for r, i in zip(records, ids)]
@@ -123,6 +126,7 @@ class Service:
         self.check_model(call.model)
         node = self.node(call)
         ids = self.prompt_ids(call, node)
+        node = self.node(call) if call.fill_context else node  # its limit now set
         order = self.consolidator.order_key(call.priority, call.deadline_ms, time.monotonic())
         key = f"{call.id}-{call.index}"  # a choice's own stream
         async for item in self.relay.stream(key, call.model, ids, node.params["sampling"], -order):
