@@ -531,6 +531,13 @@ def test_a_request_with_no_limit_generates_what_the_context_leaves(cluster, clie
     room = 2048 - response["usage"]["input_tokens"]
     assert response["status"] == "incomplete" and response["incomplete_details"]["reason"] == "max_output_tokens"
     assert response["max_output_tokens"] == room == response["usage"]["output_tokens"]
+    # Streamed, the events carry the same limit from the first one on (a prompt leaving a few tokens).
+    nearly = " ".join(["tea"] * 1010)
+    events = list(client.responses.create(model="tiny", input=nearly, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    final = events[-1].response
+    assert final.status == "incomplete" and 0 < final.usage.output_tokens < 100
+    assert {e.response.max_output_tokens for e in events if hasattr(e, "response")} == {final.usage.output_tokens}
 
 
 def _listening_line(proc) -> str:
