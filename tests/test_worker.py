@@ -220,3 +220,17 @@ def test_work_submitted_from_a_shared_thread_stays_work_of_its_task():
             return _InWorker(pool).submit(WORK_OF.get).result(timeout=30)
 
         assert pool.submit(on_shared_thread).result(timeout=30) == "table-task-1"
+
+
+def test_a_sequence_s_room_is_the_context_or_the_kv_cache_where_smaller(tiny_model_dir):
+    """What a worker reports as a model's context (a server's prompt check and the output limit
+    of a request that sets none): an engine given a cache smaller than the context holds no
+    longer sequence, so its cache is the room."""
+    from daskllm.worker.host import sequence_room
+
+    with EngineSpec(model=str(tiny_model_dir), name="tiny").load(kv_cache_tokens=1024) as small:
+        assert small.max_model_len == 2048 and sequence_room(small) == 1024
+        with pytest.raises(Exception, match="KV cache"):  # the engine itself refuses a longer one
+            small.generate([[1] * 1000], SamplingParams(max_tokens=100))
+    with EngineSpec(model=str(tiny_model_dir), name="tiny").load(kv_cache_tokens=8192) as large:
+        assert sequence_room(large) == 2048

@@ -52,6 +52,15 @@ WORK_OF: contextvars.ContextVar[str | None] = contextvars.ContextVar("daskllm_wo
 UNWANTED = ("cancelled", "released", "forgotten")  # worker task states: nobody will read the result
 
 
+def sequence_room(engine) -> int:
+    """The most tokens (prompt and output) one sequence of ``engine`` can hold: its model's
+    context, or its KV cache where that is smaller (an engine given a small cache refuses a
+    longer sequence). An engine whose cache is not its own (a remote server's) reports none."""
+    state = engine.cache_state() if hasattr(engine, "cache_state") else None
+    capacity = state.num_blocks * state.block_size if state is not None else 0
+    return min(engine.max_model_len, capacity) if capacity > 0 else engine.max_model_len
+
+
 class EngineHost(WorkerPlugin):
     """Keeps the configured engines, and any index shards, resident in a worker process."""
 
@@ -217,8 +226,9 @@ class EngineHost(WorkerPlugin):
             "models": self.models(),
             "engines": {kind: {name: e.stats().as_dict() for name, e in engines.items()}
                         for kind, engines in self.engines.items()},
-            # Each LLM's context length: a server refuses a prompt longer than it before submitting it.
-            "contexts": {name: e.max_model_len for name, e in self.engines.get("llm", {}).items()
+            # Each LLM's room for one sequence: a server refuses a prompt longer than it before
+            # submitting it, and gives a request that sets no output limit what it leaves.
+            "contexts": {name: sequence_room(e) for name, e in self.engines.get("llm", {}).items()
                          if getattr(e, "max_model_len", None)},
             "indexes": {name: {str(shard): index.ntotal for shard, index in shards.items()}
                         for name, shards in self.indexes.items()},
