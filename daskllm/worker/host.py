@@ -56,8 +56,11 @@ def sequence_room(engine) -> int:
     """The most tokens (prompt and output) one sequence of ``engine`` can hold: its model's
     context, or its KV cache where that is smaller (an engine given a small cache refuses a
     longer sequence). An engine whose cache is not its own (a remote server's) reports none."""
-    state = engine.cache_state() if hasattr(engine, "cache_state") else None
-    capacity = state.num_blocks * state.block_size if state is not None else 0
+    try:
+        state = engine.cache_state() if hasattr(engine, "cache_state") else None
+        capacity = state.num_blocks * state.block_size if state is not None else 0
+    except Exception:  # noqa: BLE001 - a heartbeat's metric: an engine's fault is reported elsewhere
+        capacity = 0
     return min(engine.max_model_len, capacity) if capacity > 0 else engine.max_model_len
 
 
