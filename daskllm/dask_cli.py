@@ -21,7 +21,6 @@ import dask
 from distributed.cli.dask_scheduler import main as dask_scheduler
 from distributed.cli.dask_worker import main as dask_worker
 
-from daskllm import config
 from daskllm.cluster import DASHBOARD_ADDRESS, NO_MALLOC_TRIM, discover_gpus, scheduler_plugins, settings_for_vllm
 from daskllm.engines import BACKENDS, EngineSpec, runs_vllm
 from daskllm.placement import POLICIES

@@ -152,7 +152,7 @@ class Call:
 
     kind: str  # "completion" or "chat" (a Responses API request is a chat)
     model: str
-    prompt: Prompt | None  # None: ``messages`` rendered with ``tools`` by the model's template
+    prompt: Prompt | None  # None: ``messages`` rendered with ``tools`` by the model's template (set when first built)
     options: dict
     stream: bool = False
     include_usage: bool = False

@@ -76,9 +76,10 @@ class Service:
 
     def node(self, call: Call):
         """The daskllm call of a request (a bad option is an APIError naming it)."""
-        prompt = call.prompt if call.prompt is not None else self.tool_prompt(call)
+        if call.prompt is None:  # a chat with tools: rendered once (the node is built again once its limit is set)
+            call.prompt = self.tool_prompt(call)
         try:
-            return generate(prompt, model=call.model, **call.options, logprobs=call.logprobs or 0)
+            return generate(call.prompt, model=call.model, **call.options, logprobs=call.logprobs or 0)
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc)) from None
 
